@@ -1,0 +1,23 @@
+# Two entry points a fresh machine needs: `make run` (serve the embedded default) and
+# `make test` (lint, type-check, tests). Both create .venv on first use.
+PY := .venv/bin/python
+
+.venv/.installed: pyproject.toml
+	python3 -m venv .venv
+	# torch first and pinned, so nothing later can pull a different (CUDA) build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+install: .venv/.installed
+
+run: install
+	$(PY) -m pdserve generate "The quick brown fox"
+
+test: install
+	$(PY) -m ruff check pdserve tests benchmarks
+	$(PY) -m ruff format --check pdserve tests benchmarks
+	$(PY) -m mypy
+	$(PY) -m pytest -q
+
+.PHONY: install run test

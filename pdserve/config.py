@@ -1,0 +1,61 @@
+"""Typed configuration, built once from the CLI (or the Python API) and passed down by part.
+
+Each part receives only its own sub-config: the engine never sees router settings. Every field
+is validated at construction, so a bad value fails at start with the field's name, not deep in
+a worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.errors import ConfigError
+
+DTYPES = ("float32", "bfloat16")
+QUANTIZATIONS = (None, "int8")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLoadConfig:
+    """Which checkpoint to load and how."""
+
+    # Hugging Face folder; None means the embedded tiny default model.
+    path: str | None = None
+    dtype: str = "float32"
+    # Weight-only int8 (per output channel) or None.
+    quantization: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization: {self.quantization!r} is not one of None, 'int8'")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """KV cache size and scheduling limits of one engine."""
+
+    # Tokens per KV block.
+    block_size: int = 16
+    # Bytes of KV cache to allocate; the number of blocks follows from the model's shapes.
+    kv_cache_bytes: int = 256 * 1024 * 1024
+    # Overrides kv_cache_bytes when set (tests use tiny pools to force preemption).
+    num_blocks: int | None = None
+    # Tokens one step may process across all requests (prefill chunks + decode tokens).
+    max_num_batched_tokens: int = 2048
+    # Requests running at once.
+    max_num_seqs: int = 64
+    # Split long prompts into chunks that share steps with decode tokens.
+    enable_chunked_prefill: bool = True
+    # Reuse full KV blocks of earlier requests with the same token prefix.
+    enable_prefix_caching: bool = True
+    model: ModelLoadConfig = field(default_factory=ModelLoadConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "kv_cache_bytes", "max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError(f"num_blocks: must be >= 1, got {self.num_blocks!r}")

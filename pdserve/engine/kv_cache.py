@@ -1,0 +1,70 @@
+"""The KV cache memory of one engine and zero-copy byte views of its blocks.
+
+Layout (see `pdserve.model.attention`): one tensor
+`[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`, so block b across all layers
+is the contiguous byte range `[b * block_bytes, (b + 1) * block_bytes)`. The transfer layer reads
+and writes those ranges through `block_views`, which share memory with the tensor: no copy.
+Pages are touched at allocation (zeros), so the first transfer into a block does not pay the
+first-touch page faults.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.errors import ConfigError, EngineError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class KVCache:
+    """The paged KV tensor and views of its blocks as bytes."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: str = "float32",
+    ) -> None:
+        if dtype not in _DTYPES:
+            raise ConfigError(f"kv cache dtype: {dtype!r} is not one of {', '.join(_DTYPES)}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+        # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+        self.tensor = torch.zeros(
+            num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim, dtype=_DTYPES[dtype]
+        )
+        self._bytes = self.tensor.view(-1).view(torch.uint8).numpy()
+        self.block_bytes = self._bytes.nbytes // num_blocks
+
+    @staticmethod
+    def bytes_per_block(
+        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: str
+    ) -> int:
+        """Bytes one block occupies across all layers."""
+        itemsize = torch.tensor([], dtype=_DTYPES[dtype]).element_size()
+        return num_layers * 2 * block_size * num_kv_heads * head_dim * itemsize
+
+    def block_views(self, block_ids: list[int]) -> list[memoryview]:
+        """Writable byte views of the given blocks, merged where ids are consecutive."""
+        views: list[memoryview] = []
+        run_start = run_end = -1
+        for block_id in block_ids:
+            if not 0 <= block_id < self.num_blocks:
+                raise EngineError(f"block id {block_id} outside 0..{self.num_blocks - 1}")
+            if block_id == run_end:
+                run_end += 1
+                continue
+            if run_start >= 0:
+                views.append(self._view(run_start, run_end))
+            run_start, run_end = block_id, block_id + 1
+        if run_start >= 0:
+            views.append(self._view(run_start, run_end))
+        return views
+
+    def _view(self, start: int, end: int) -> memoryview:
+        return memoryview(self._bytes[start * self.block_bytes : end * self.block_bytes])

@@ -1,0 +1,214 @@
+"""The whole pdserve exception tree, in one place.
+
+Every error pdserve raises on purpose is a subclass of `PdserveError`. Each class states whether
+retrying the same operation (possibly elsewhere) can succeed: the router's failure policy reads
+`retryable` and never parses messages. Messages name what a user needs to act: the file, the
+field, the worker, the frame.
+
+    PdserveError
+    ├── ConfigError                     bad CLI flag, config value or sampling parameter
+    │   └── SamplingParamsError
+    ├── ModelError                      a model folder pdserve cannot load
+    │   ├── ModelFileMissing            file absent (names the file)
+    │   ├── ModelConfigError            config.json field missing or invalid (names the field)
+    │   ├── UnsupportedArchitecture     architecture not in the supported list
+    │   └── WeightShapeMismatch         tensor shape differs from config (names tensor, shapes)
+    ├── FingerprintMismatch             two engines whose KV is not interchangeable (names fields)
+    ├── EngineError
+    │   ├── RequestNotFound             unknown request id
+    │   ├── DuplicateRequest            request id already in the engine
+    │   ├── PromptTooLong               prompt + max_tokens exceed the model or the KV cache
+    │   └── KVNotReady                  remote KV for a request is not complete and verified
+    ├── LeaseError
+    │   ├── LeaseExpired                the grant lapsed (retryable: ask for a new one)
+    │   └── StaleLease                  a newer grant (higher epoch) supersedes this one
+    └── TransferError                   KV data plane
+        ├── ProtocolError               a peer sent bytes that are not a valid frame or message
+        │   ├── FrameTruncated
+        │   ├── FrameTooLarge
+        │   ├── BadMagic
+        │   ├── UnsupportedVersion
+        │   └── ChecksumMismatch        (retryable: the bytes were damaged in flight)
+        ├── IllegalTransition           a session event not allowed in its current state
+        │   └── StaleAttempt            a frame from an older attempt of the transfer (fenced)
+        ├── TransferTimeout             a per-chunk or per-transfer deadline passed (retryable)
+        ├── PeerClosed                  connection lost mid-transfer (retryable)
+        ├── StreamBroken                this end closed, or left mid-write by a cancelled op
+        ├── TransferRefused             the peer sent Nack (retryable per reason)
+        └── Unauthorized                wrong capability token: no data is sent
+"""
+
+from __future__ import annotations
+
+
+class PdserveError(Exception):
+    """Base class of every error pdserve raises on purpose."""
+
+    retryable: bool = False
+
+
+class ConfigError(PdserveError, ValueError):
+    """A configuration or CLI value is invalid; the message names the field and the value."""
+
+
+class SamplingParamsError(ConfigError):
+    """A sampling parameter is out of range."""
+
+
+class ModelError(PdserveError):
+    """A model folder cannot be loaded."""
+
+
+class ModelFileMissing(ModelError, FileNotFoundError):
+    """A required file is not in the model folder."""
+
+    def __init__(self, path: str, what: str) -> None:
+        super().__init__(f"model file missing: {path} ({what})")
+        self.path = path
+
+
+class ModelConfigError(ModelError):
+    """A config field is missing or has an unsupported value."""
+
+    def __init__(self, file: str, field: str, detail: str) -> None:
+        super().__init__(f"{file}: field {field!r}: {detail}")
+        self.file = file
+        self.field = field
+
+
+class UnsupportedArchitecture(ModelError):
+    """The checkpoint's architecture is not one pdserve implements."""
+
+    def __init__(self, file: str, architecture: str, supported: tuple[str, ...]) -> None:
+        super().__init__(
+            f"{file}: architecture {architecture!r} is not supported "
+            f"(supported: {', '.join(supported)})"
+        )
+        self.architecture = architecture
+
+
+class WeightShapeMismatch(ModelError):
+    """A tensor in the checkpoint has a shape that the config does not predict."""
+
+    def __init__(
+        self, file: str, tensor: str, expected: tuple[int, ...], actual: tuple[int, ...]
+    ) -> None:
+        super().__init__(
+            f"{file}: tensor {tensor!r} has shape {list(actual)}, config implies {list(expected)}"
+        )
+        self.file = file
+        self.tensor = tensor
+
+
+class FingerprintMismatch(PdserveError):
+    """Two engines' KV caches are not interchangeable; `fields` lists every differing field."""
+
+    def __init__(self, fields: dict[str, tuple[object, object]], context: str = "") -> None:
+        parts = ", ".join(f"{name}: {a!r} != {b!r}" for name, (a, b) in sorted(fields.items()))
+        prefix = f"{context}: " if context else ""
+        super().__init__(f"{prefix}fingerprint mismatch on {parts}")
+        self.fields = fields
+
+
+class EngineError(PdserveError):
+    """An engine-level request error."""
+
+
+class RequestNotFound(EngineError, KeyError):
+    """No request with this id is in the engine."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "request not found"
+
+
+class DuplicateRequest(EngineError):
+    """A request with this id is already in the engine."""
+
+
+class PromptTooLong(EngineError):
+    """The prompt (plus max_tokens) does not fit the model's context or the KV cache."""
+
+
+class KVNotReady(EngineError):
+    """A request's remote KV has not been fully received and verified."""
+
+
+class LeaseError(PdserveError):
+    """A lease-fenced operation was refused."""
+
+
+class LeaseExpired(LeaseError):
+    """The lease lapsed; its blocks may already be reused."""
+
+    retryable = True
+
+
+class StaleLease(LeaseError):
+    """The grant's epoch is older than the current one."""
+
+
+class TransferError(PdserveError):
+    """An error on the KV data plane."""
+
+
+class ProtocolError(TransferError):
+    """Bytes from the peer are not a valid frame or message."""
+
+
+class FrameTruncated(ProtocolError):
+    """The stream ended inside a frame."""
+
+
+class FrameTooLarge(ProtocolError):
+    """A length field exceeds its bound."""
+
+
+class BadMagic(ProtocolError):
+    """The frame does not start with the pdserve magic."""
+
+
+class UnsupportedVersion(ProtocolError):
+    """The peer speaks a protocol version this build does not."""
+
+
+class ChecksumMismatch(ProtocolError):
+    """A checksum over a header, payload or whole transfer did not match."""
+
+    retryable = True
+
+
+class IllegalTransition(TransferError):
+    """A session received an event that its current state does not allow."""
+
+
+class StaleAttempt(IllegalTransition):
+    """A frame belongs to an older attempt than the session's current one; it is ignored."""
+
+
+class TransferTimeout(TransferError):
+    """A deadline passed while waiting on the peer."""
+
+    retryable = True
+
+
+class PeerClosed(TransferError):
+    """The connection closed in the middle of a transfer."""
+
+    retryable = True
+
+
+class StreamBroken(TransferError):
+    """This end of a byte stream is closed, or a cancelled send/receive left it mid-message."""
+
+
+class TransferRefused(TransferError):
+    """The peer refused the transfer (Nack); `reason` says why."""
+
+    def __init__(self, reason: str, retryable: bool) -> None:
+        super().__init__(f"transfer refused by peer: {reason}")
+        self.reason = reason
+        self.retryable = retryable
+
+
+class Unauthorized(TransferError):
+    """The peer did not present the transfer's capability token."""

@@ -1,0 +1,86 @@
+"""The offline Python API: `LLM(model=...).generate(prompts, SamplingParams(...))`.
+
+A thin loop over one `Engine`: queue every prompt, step until all finish, return outputs in
+prompt order. Mirrors vLLM's `LLM` so that scripts port with few changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdserve.config import EngineConfig, ModelLoadConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionOutput:
+    """One finished generation."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    # "stop" (EOS, stop token or stop string) or "length" (max_tokens).
+    finish_reason: str
+    # Prompt tokens served from the prefix cache.
+    num_cached_tokens: int
+
+
+class LLM:
+    """Generate completions with one in-process engine."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "float32",
+        quantization: str | None = None,
+        **engine_options: object,
+    ) -> None:
+        load = ModelLoadConfig(path=model, dtype=dtype, quantization=quantization)
+        try:
+            config = EngineConfig(model=load, **engine_options)  # type: ignore[arg-type]
+        except TypeError as exc:
+            raise ConfigError(f"LLM: {exc}") from None
+        self.engine = Engine.from_config(config)
+        self.tokenizer = self.engine.model.tokenizer
+        self._counter = 0
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[CompletionOutput]:
+        """Complete every prompt (text or token ids); outputs in prompt order."""
+        items: list[str] | list[Sequence[int]]
+        items = [prompts] if isinstance(prompts, str) else list(prompts)  # type: ignore[assignment]
+        if params is None or isinstance(params, SamplingParams):
+            per = [params or SamplingParams()] * len(items)
+        else:
+            per = list(params)
+            if len(per) != len(items):
+                raise ConfigError(f"generate: {len(per)} SamplingParams for {len(items)} prompts")
+        ids: list[str] = []
+        for item, p in zip(items, per, strict=True):
+            tokens = self.tokenizer.encode(item) if isinstance(item, str) else list(item)
+            request_id = f"llm-{self._counter}"
+            self._counter += 1
+            self.engine.add_request(request_id, tokens, p)
+            ids.append(request_id)
+        finished: dict[str, CompletionOutput] = {}
+        requests = {rid: self.engine.get_request(rid) for rid in ids}
+        while self.engine.has_unfinished():
+            for delta in self.engine.step():
+                if delta.finished:
+                    r = requests[delta.request_id]
+                    finished[delta.request_id] = CompletionOutput(
+                        r.request_id,
+                        r.prompt_token_ids,
+                        list(r.output_token_ids),
+                        r.output_text,
+                        delta.finish_reason or "stop",
+                        r.num_cached_tokens,
+                    )
+        return [finished[rid] for rid in ids]

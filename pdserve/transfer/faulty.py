@@ -1,0 +1,179 @@
+"""`FaultyStream`: a `ByteStream` wrapper that injects seeded faults into sends.
+
+The faults really change what the peer receives, so the receiver's checks (checksums, counts,
+deadlines) are what detect them:
+
+    DELAY     sleep `delay_s`, then send normally
+    DROP      swallow the whole send (the caller sees success)
+    CORRUPT   flip one bit at a byte offset; only that byte is copied (the view is split around
+              it), the caller's memory (KV blocks) is never written
+    TRUNCATE  send a prefix of `byte_offset` bytes, then close (the caller sees success, as
+              when a kernel accepted bytes that never arrive)
+    CLOSE     close before sending anything; the send raises `PeerClosed`
+    STALL     block until cancelled (the caller's deadline), sending nothing
+
+A `FaultPlan` lists faults by send index, or draws them with a probability. Every draw comes
+from an RNG seeded by (plan seed, send index), so a plan gives the same faults at the same
+places in every run and process. Receives and `aclose` pass straight through.
+
+This module knows bytes and send counts only: no frames, no sessions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import random
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from pdserve.errors import PeerClosed
+from pdserve.transfer.stream import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream, byte_views
+
+
+class FaultAction(enum.Enum):
+    """What a fault does to one send; see the module docstring."""
+
+    DELAY = "delay"
+    DROP = "drop"
+    CORRUPT = "corrupt"
+    TRUNCATE = "truncate"
+    CLOSE = "close"
+    STALL = "stall"
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """One fault on send number `send_index` (0-based, counting every send call)."""
+
+    action: FaultAction
+    send_index: int
+    # CORRUPT: the byte to damage; TRUNCATE: the prefix length. None: drawn from the seed.
+    byte_offset: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FaultPlan:
+    """Which sends fail, and how: listed `faults`, plus random ones with `probability`."""
+
+    faults: tuple[Fault, ...] = ()
+    # Chance that a send not listed in `faults` gets a fault drawn from `actions`.
+    probability: float = 0.0
+    actions: tuple[FaultAction, ...] = tuple(FaultAction)
+    seed: int = 0
+    delay_s: float = 0.01
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.probability <= 1.0:
+            raise ValueError(f"FaultPlan: probability must be in [0, 1], got {self.probability}")
+        if self.probability and not self.actions:
+            raise ValueError("FaultPlan: probability > 0 needs at least one action")
+
+    def fault_for(self, send_index: int, num_bytes: int) -> InjectedFault | None:
+        """The fault for this send, with its byte offset resolved (deterministic per seed)."""
+        rng = random.Random(f"pdserve-fault:{self.seed}:{send_index}")
+        listed = [f for f in self.faults if f.send_index == send_index]
+        if listed:
+            action, offset = listed[0].action, listed[0].byte_offset
+        elif self.probability and rng.random() < self.probability:
+            action, offset = rng.choice(self.actions), None
+        else:
+            return None
+        if offset is None:
+            offset = rng.randrange(num_bytes) if num_bytes else 0
+        # A corrupted byte must exist; a truncation may keep the whole send (then just close).
+        limit = num_bytes - 1 if action is FaultAction.CORRUPT else num_bytes
+        return InjectedFault(send_index, action, max(0, min(offset, limit)), rng.randrange(8))
+
+
+@dataclass(frozen=True, slots=True)
+class InjectedFault:
+    """A fault as applied: tests compare these lists across runs of the same seed."""
+
+    send_index: int
+    action: FaultAction
+    byte_offset: int
+    bit: int
+
+
+class FaultyStream(ByteStream):
+    """Wraps `inner`, applying `plan` to each send; `injected` records what was done."""
+
+    def __init__(
+        self,
+        inner: ByteStream,
+        plan: FaultPlan,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self.inner = inner
+        self.plan = plan
+        self.injected: list[InjectedFault] = []
+        self._sleep = sleep
+        self._num_sends = 0
+
+    async def send(self, buffers: Sequence[Buffer]) -> None:
+        """Send through `inner`, unless the plan puts a fault on this send."""
+        views = byte_views(buffers)
+        fault = self.plan.fault_for(self._num_sends, sum(v.nbytes for v in views))
+        self._num_sends += 1
+        if fault is None:
+            await self.inner.send(views)
+            return
+        self.injected.append(fault)
+        match fault.action:
+            case FaultAction.DELAY:
+                await self._sleep(self.plan.delay_s)
+                await self.inner.send(views)
+            case FaultAction.DROP:
+                pass
+            case FaultAction.CORRUPT:
+                await self.inner.send(_flip_bit(views, fault.byte_offset, fault.bit))
+            case FaultAction.TRUNCATE:
+                await self.inner.send(_prefix(views, fault.byte_offset))
+                await self.inner.aclose()
+            case FaultAction.CLOSE:
+                await self.inner.aclose()
+                raise PeerClosed(f"faulty stream: closed at send {fault.send_index}")
+            case FaultAction.STALL:
+                await asyncio.Event().wait()
+
+    async def receive_into(self, view: memoryview) -> None:
+        """Pass through to `inner`."""
+        await self.inner.receive_into(view)
+
+    async def receive_some(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
+        """Pass through to `inner`."""
+        return await self.inner.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        """Pass through to `inner`."""
+        await self.inner.aclose()
+
+
+def _flip_bit(views: list[memoryview], offset: int, bit: int) -> list[memoryview]:
+    """`views` with one bit flipped at `offset`.
+
+    The affected view is split around a one-byte copy, so nothing large is copied and the
+    caller's memory is never written.
+    """
+    out: list[memoryview] = []
+    for i, view in enumerate(views):
+        if 0 <= offset < view.nbytes:
+            damaged = memoryview(bytes([view[offset] ^ (1 << bit)]))
+            out += [view[:offset], damaged, view[offset + 1 :], *views[i + 1 :]]
+            return out
+        out.append(view)
+        offset -= view.nbytes
+    return out
+
+
+def _prefix(views: list[memoryview], num_bytes: int) -> list[memoryview]:
+    """The first `num_bytes` of `views`, as view slices."""
+    out: list[memoryview] = []
+    for view in views:
+        if num_bytes <= 0:
+            break
+        out.append(view[:num_bytes])
+        num_bytes -= view.nbytes
+    return out
+

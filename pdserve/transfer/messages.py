@@ -1,0 +1,316 @@
+"""The typed messages of the KV transfer protocol, each with its body schema declared once.
+
+One transfer attempt, sender (S) and receiver (R):
+
+    S: Hello → R: Hello (or Nack: fingerprint / version)
+    S: Begin → R: Ack(BEGIN) (or Nack: token / plan; or Ack(COMMIT) if already committed)
+    S: Chunk + data, Chunk + data, …          (R: Nack on the first bad chunk)
+    S: Commit → R: Ack(COMMIT) (or Nack: digest / counts)
+    S: Renew  → R: Ack(RENEW) at any point while the attempt is open; either side: Abort
+
+Every message is a frozen slots dataclass. Its `WIRE` tuple lists `(field, codec)` pairs in
+dataclass order (checked at import); `encode_body` and `decode_message` both walk that tuple,
+so there is no second, hand-kept unpacking order. Bodies are struct-packed and bounded
+(`wire.py`); never pickle, never JSON.
+
+This module knows about messages and their fields only: not frames, checksums of frames,
+sessions, sockets or KV memory.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from types import MappingProxyType
+from typing import ClassVar
+
+import xxhash
+
+from pdserve.errors import ProtocolError
+from pdserve.transfer.wire import (
+    Bool,
+    Bytes,
+    EnumU8,
+    Fingerprint,
+    FingerprintValue,
+    Nested,
+    PositiveFloat,
+    Reader,
+    Schema,
+    Str,
+    UInt,
+    check_schema,
+    encode_fingerprint,
+    read_fields,
+    write_fields,
+)
+
+PROTOCOL_VERSION = 1
+TRANSFER_ID_BYTES = 16
+MIN_TOKEN_BYTES = 16
+MAX_TOKEN_BYTES = 32
+TOKEN_DIGEST_BYTES = 16
+MAX_REQUEST_ID_BYTES = 256
+MAX_TEXT_BYTES = 2048
+
+
+class MsgType(IntEnum):
+    """The frame header's message type byte."""
+
+    HELLO = 1
+    BEGIN = 2
+    CHUNK = 3
+    COMMIT = 4
+    ACK = 5
+    NACK = 6
+    RENEW = 7
+    ABORT = 8
+
+
+class Role(IntEnum):
+    """The role of the worker that sends a Hello."""
+
+    PREFILL = 1
+    DECODE = 2
+    BOTH = 3
+
+
+class AckOf(IntEnum):
+    """What an Ack acknowledges."""
+
+    BEGIN = 1
+    COMMIT = 2
+    RENEW = 3
+
+
+class NackCode(IntEnum):
+    """Why a receiver refused; `NACK_RETRYABLE` says whether a new attempt can succeed."""
+
+    FINGERPRINT_MISMATCH = 1
+    VERSION_MISMATCH = 2
+    UNAUTHORIZED = 3
+    BEGIN_MISMATCH = 4
+    CHUNK_OUT_OF_RANGE = 5
+    CHUNK_OVERLAP = 6
+    CHECKSUM_MISMATCH = 7
+    COMMIT_MISMATCH = 8
+    SEQUENCE_GAP = 9
+    LEASE = 10
+    ALREADY_COMMITTED = 11
+
+
+# Damage in flight (checksums, lost frames) is worth a resend; a refusal on identity is not.
+NACK_RETRYABLE: Mapping[NackCode, bool] = MappingProxyType(
+    {
+        code: code in {NackCode.CHECKSUM_MISMATCH, NackCode.COMMIT_MISMATCH, NackCode.SEQUENCE_GAP}
+        for code in NackCode
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """The shape of the KV being moved; `block_bytes` is one block across every layer."""
+
+    num_layers: int
+    num_blocks: int  # blocks in this transfer
+    block_bytes: int  # contiguous bytes of one block (all layers, K and V)
+    dtype: str
+    block_size: int  # tokens per block
+
+    WIRE: ClassVar[Schema] = (
+        ("num_layers", UInt(32, lo=1)),
+        ("num_blocks", UInt(32, lo=1)),
+        ("block_bytes", UInt(32, lo=1)),
+        ("dtype", Str(32)),
+        ("block_size", UInt(32, lo=1)),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """Opens an attempt; each side states its protocol version, role and build fingerprint."""
+
+    protocol_version: int
+    role: Role
+    # Normalised to a read-only mapping; compared field by field at the handshake.
+    fingerprint: Mapping[str, FingerprintValue]
+
+    TYPE: ClassVar[MsgType] = MsgType.HELLO
+    WIRE: ClassVar[Schema] = (
+        ("protocol_version", UInt(16)),
+        ("role", EnumU8(Role)),
+        ("fingerprint", Fingerprint()),
+    )
+
+    def __post_init__(self) -> None:
+        encode_fingerprint(self.fingerprint, "Hello.fingerprint")  # bounds, at construction
+        # A private copy: the caller's dict may change after the Hello is built.
+        frozen = MappingProxyType(dict(sorted(self.fingerprint.items())))
+        object.__setattr__(self, "fingerprint", frozen)
+
+
+@dataclass(frozen=True, slots=True)
+class Begin:
+    """Announces one transfer: what KV, for which prompt, under which capability token."""
+
+    transfer_id: bytes  # 16 bytes, equal to the frame header's
+    request_id: str
+    snapshot_version: int  # the prefill snapshot being sent; never decreases across attempts
+    layout: KVLayout
+    num_tokens: int
+    token_digest: bytes  # token_digest(prompt token ids)
+    capability_token: bytes  # 16..32 bytes handed out with the decode reservation
+
+    TYPE: ClassVar[MsgType] = MsgType.BEGIN
+    WIRE: ClassVar[Schema] = (
+        ("transfer_id", Bytes(TRANSFER_ID_BYTES, TRANSFER_ID_BYTES)),
+        ("request_id", Str(MAX_REQUEST_ID_BYTES)),
+        ("snapshot_version", UInt(64)),
+        ("layout", Nested(KVLayout)),
+        ("num_tokens", UInt(32)),
+        ("token_digest", Bytes(TOKEN_DIGEST_BYTES, TOKEN_DIGEST_BYTES)),
+        ("capability_token", Bytes(MIN_TOKEN_BYTES, MAX_TOKEN_BYTES)),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Blocks `[first_block, first_block + num_blocks)` of the transfer; data follows the body."""
+
+    first_block: int
+    num_blocks: int
+    payload_checksum: int  # xxh3_64 of the frame's data; equals the header's data checksum
+
+    TYPE: ClassVar[MsgType] = MsgType.CHUNK
+    WIRE: ClassVar[Schema] = (
+        ("first_block", UInt(32)),
+        ("num_blocks", UInt(32, lo=1)),
+        ("payload_checksum", UInt(64)),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """Closes the data: the receiver verifies all of it before it reports COMMITTED."""
+
+    total_digest: int  # commit_digest(every chunk), see there
+    num_chunks: int
+    num_bytes: int
+
+    TYPE: ClassVar[MsgType] = MsgType.COMMIT
+    WIRE: ClassVar[Schema] = (
+        ("total_digest", UInt(64)),
+        ("num_chunks", UInt(32)),
+        ("num_bytes", UInt(64)),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """A positive reply to a Begin, a Commit or a Renew."""
+
+    of: AckOf
+
+    TYPE: ClassVar[MsgType] = MsgType.ACK
+    WIRE: ClassVar[Schema] = (("of", EnumU8(AckOf)),)
+
+
+@dataclass(frozen=True, slots=True)
+class Nack:
+    """A refusal; the attempt is over. `text` names the field and the values."""
+
+    code: NackCode
+    text: str
+    retryable: bool
+
+    TYPE: ClassVar[MsgType] = MsgType.NACK
+    WIRE: ClassVar[Schema] = (
+        ("code", EnumU8(NackCode)),
+        ("text", Str(MAX_TEXT_BYTES)),
+        ("retryable", Bool()),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Renew:
+    """Asks the receiver to extend the lease on the blocks reserved for this transfer."""
+
+    lease_id: int
+    epoch: int
+    ttl: float  # seconds from the receiver's now
+
+    TYPE: ClassVar[MsgType] = MsgType.RENEW
+    WIRE: ClassVar[Schema] = (
+        ("lease_id", UInt(64)),
+        ("epoch", UInt(64)),
+        ("ttl", PositiveFloat()),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Either side gives the transfer up for good."""
+
+    reason: str
+
+    TYPE: ClassVar[MsgType] = MsgType.ABORT
+    WIRE: ClassVar[Schema] = (("reason", Str(MAX_TEXT_BYTES)),)
+
+
+Message = Hello | Begin | Chunk | Commit | Ack | Nack | Renew | Abort
+
+MESSAGE_TYPES: Mapping[MsgType, type[Message]] = MappingProxyType(
+    {cls.TYPE: cls for cls in (Hello, Begin, Chunk, Commit, Ack, Nack, Renew, Abort)}
+)
+for _cls in (KVLayout, *MESSAGE_TYPES.values()):
+    check_schema(_cls)
+
+
+def encode_body(message: Message) -> bytes:
+    """The body bytes of `message`; ValueError if a field is out of its bounds."""
+    out = bytearray()
+    write_fields(out, message, message.WIRE, type(message).__name__)
+    return bytes(out)
+
+
+def decode_message(msg_type: MsgType, body: bytes) -> Message:
+    """Parse a body of the given type; ProtocolError if it is malformed or has trailing bytes."""
+    cls = MESSAGE_TYPES[msg_type]
+    reader = Reader(body)
+    fields = read_fields(reader, cls.WIRE, cls.__name__)
+    if reader.remaining:
+        raise ProtocolError(f"{cls.__name__} body has {reader.remaining} trailing bytes")
+    try:
+        return cls(**fields)
+    except ValueError as e:  # a constructor-level check; from a peer it is a protocol error
+        raise ProtocolError(f"{cls.__name__}: {e}") from None
+
+
+def token_digest(token_ids: Sequence[int]) -> bytes:
+    """16-byte xxh3_128 of the token ids as little-endian u32 (binds KV to its prompt)."""
+    try:
+        packed = struct.pack(f"<{len(token_ids)}I", *token_ids)
+    except struct.error:
+        raise ValueError("token ids must be integers in [0, 2**32)") from None
+    return xxhash.xxh3_128_digest(packed)
+
+
+_CHUNK_RECORD = struct.Struct("<IIQ")
+
+
+def commit_digest(chunks: Iterable[Chunk]) -> int:
+    """The Commit's total digest: xxh3_64 over (first_block, num_blocks, payload_checksum).
+
+    Records are taken in ascending block order, so the digest covers all data in order: each
+    record's checksum covers its chunk's bytes, and the records pin every chunk's place. Both
+    sides compute it from chunk metadata alone, without a second pass over the KV bytes.
+    """
+    hasher = xxhash.xxh3_64()
+    for chunk in sorted(chunks, key=lambda c: c.first_block):
+        hasher.update(
+            _CHUNK_RECORD.pack(chunk.first_block, chunk.num_blocks, chunk.payload_checksum)
+        )
+    return hasher.intdigest()

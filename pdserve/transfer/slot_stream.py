@@ -1,0 +1,261 @@
+"""A `ByteStream` whose bulk bytes go through the receiver's slot pool ("inbox").
+
+Shared by the shared-memory and NIXL transports, which differ only in how bytes reach a slot of
+the peer's inbox (a memcpy into a mapped segment, or a NIXL WRITE): that is the `SlotWriter`.
+
+Protocol on the control stream (a TCP connection), one 12-byte frame per message:
+
+    DATA(slot, num_bytes)  sender → receiver: slot `slot` of your inbox holds the next bytes
+    CREDIT(slot)           receiver → sender: slot `slot` is free again
+
+Credit-based flow control: a sender owns the slots it holds credit for (all of them at the
+start) and writes only into those; the receiver copies each slot out into the caller's view and
+then returns the credit. Since the receiver owns its inbox memory, bytes already announced stay
+readable after the peer exits; EOF comes after them, in order, as the control stream's EOF.
+
+Invariants: a slot is written only while the sender holds its credit; DATA and CREDIT frames are
+sent whole (shielded from cancellation) so the control stream never carries half a frame; a
+background task demultiplexes incoming frames, so credits flow even while nobody receives.
+
+This module knows slots and frames of its own, never the KV codec above it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import struct
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
+
+from pdserve.errors import PeerClosed, ProtocolError, TransferError
+from pdserve.transfer.stream import (
+    DEFAULT_RECEIVE_BYTES,
+    Buffer,
+    ByteStream,
+    DirectionState,
+    byte_views,
+    check_max_bytes,
+    writable_view,
+)
+
+_FRAME = struct.Struct("<BxxxII")  # kind, slot index, num_bytes
+_DATA = 1
+_CREDIT = 2
+
+
+class SlotWriter(Protocol):
+    """Puts bytes into one slot of the peer's inbox."""
+
+    async def write(self, slot: int, views: list[memoryview]) -> None:
+        """Copy `views` (together at most one slot) to the start of `slot`.
+
+        On return, including by cancellation, no write into the slot may still be in flight.
+        """
+        ...
+
+    def close(self) -> None:
+        """Release what the writer holds (mappings, registrations)."""
+        ...
+
+
+def _chunks(views: list[memoryview], chunk_bytes: int) -> Iterator[list[memoryview]]:
+    """Split `views` into consecutive groups of at most `chunk_bytes` (slicing, never copying)."""
+    group: list[memoryview] = []
+    room = chunk_bytes
+    for view in views:
+        while view.nbytes:
+            piece = view[:room]
+            group.append(piece)
+            room -= piece.nbytes
+            view = view[piece.nbytes :]
+            if room == 0:
+                yield group
+                group, room = [], chunk_bytes
+    if group:
+        yield group
+
+
+class SlotStream(ByteStream):
+    """A `ByteStream` over a control stream plus an inbox slot pool on each side."""
+
+    def __init__(
+        self,
+        control: ByteStream,
+        inbox: memoryview,
+        inbox_slot_bytes: int,
+        writer: SlotWriter,
+        peer_num_slots: int,
+        peer_slot_bytes: int,
+        on_close: Callable[[], None],
+        name: str,
+    ) -> None:
+        self._control = control
+        self._inbox = inbox
+        self._slot_bytes = inbox_slot_bytes
+        self._num_slots = inbox.nbytes // inbox_slot_bytes
+        self._writer = writer
+        self._peer_slot_bytes = peer_slot_bytes
+        self._on_close = on_close
+        self._name = name
+        self._free_slots: deque[int] = deque(range(peer_num_slots))
+        self._pending: deque[tuple[int, int]] = deque()  # (slot, num_bytes) announced by DATA
+        self._current: list[int] | None = None  # [slot, read offset, num_bytes]
+        self._eof = False
+        self._credit = asyncio.Event()
+        self._data = asyncio.Event()
+        self._send_lock = asyncio.Lock()
+        self._receive_lock = asyncio.Lock()
+        self._send_state = DirectionState(f"{name} send")
+        self._receive_state = DirectionState(f"{name} receive")
+        self._closed = False
+        self._reader = asyncio.get_running_loop().create_task(self._read_control())
+
+    async def send(self, buffers: Sequence[Buffer]) -> None:
+        """Write `buffers` slot by slot into the peer's inbox, announcing each with DATA."""
+        views = byte_views(buffers)
+        async with self._send_lock:
+            self._send_state.check()
+            num_announced = 0
+            try:
+                for chunk in _chunks(views, self._peer_slot_bytes):
+                    slot = await self._acquire_slot()
+                    try:
+                        await self._writer.write(slot, chunk)
+                    except BaseException:
+                        self._free_slots.appendleft(slot)  # the peer never heard of it
+                        raise
+                    num_bytes = sum(v.nbytes for v in chunk)
+                    num_announced += num_bytes
+                    await self._send_frame(_DATA, slot, num_bytes)
+            except asyncio.CancelledError:
+                if num_announced:
+                    self._send_state.break_(f"send cancelled after {num_announced} bytes")
+                raise
+
+    async def receive_into(self, view: memoryview) -> None:
+        """Copy exactly len(view) bytes from inbox slots into `view`, returning credits."""
+        target = writable_view(view)
+        async with self._receive_lock:
+            self._receive_state.check()
+            num_received = 0
+            try:
+                while num_received < target.nbytes:
+                    if not await self._wait_data():
+                        raise PeerClosed(
+                            f"{self._name}: stream ended after {num_received} of "
+                            f"{target.nbytes} bytes"
+                        )
+                    n, drained = self._copy_out(target[num_received:])
+                    num_received += n
+                    if drained is not None:
+                        await self._return_credit(drained)
+            except asyncio.CancelledError:
+                if num_received:
+                    self._receive_state.break_(f"receive cancelled after {num_received} bytes")
+                raise
+
+    async def receive_some(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
+        """Up to `max_bytes` from the current slot; b"" at end of stream."""
+        check_max_bytes(max_bytes)
+        async with self._receive_lock:
+            self._receive_state.check()
+            if not await self._wait_data():
+                return b""
+            assert self._current is not None
+            out = bytearray(min(max_bytes, self._current[2] - self._current[1]))
+            _, drained = self._copy_out(memoryview(out))
+            if drained is not None:
+                await self._return_credit(drained)
+            return bytes(out)
+
+    async def aclose(self) -> None:
+        """Stop the control reader, close control (peer sees EOF), release slots (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._send_state.break_("closed locally")
+        self._receive_state.break_("closed locally")
+        self._credit.set()
+        self._data.set()
+        self._reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reader
+        try:
+            await self._control.aclose()
+        finally:
+            self._writer.close()
+            self._inbox.release()
+            self._on_close()
+
+    async def _acquire_slot(self) -> int:
+        while not self._free_slots:
+            self._send_state.check()
+            if self._eof:
+                raise PeerClosed(f"{self._name}: peer closed while the sender waited for credit")
+            self._credit.clear()
+            await self._credit.wait()
+        self._send_state.check()
+        return self._free_slots.popleft()
+
+    async def _wait_data(self) -> bool:
+        """Wait until a slot has unread bytes (True) or the peer closed with none left (False)."""
+        while self._current is None:
+            self._receive_state.check()
+            if self._pending:
+                slot, num_bytes = self._pending.popleft()
+                self._current = [slot, 0, num_bytes]
+            elif self._eof:
+                return False
+            else:
+                self._data.clear()
+                await self._data.wait()
+        return True
+
+    def _copy_out(self, dst: memoryview) -> tuple[int, int | None]:
+        """Copy from the current slot into dst: (bytes copied, the slot if now drained)."""
+        assert self._current is not None
+        slot, offset, num_bytes = self._current
+        n = min(dst.nbytes, num_bytes - offset)
+        start = slot * self._slot_bytes + offset
+        dst[:n] = self._inbox[start : start + n]
+        self._current[1] += n
+        if self._current[1] < num_bytes:
+            return n, None
+        self._current = None
+        return n, slot
+
+    async def _return_credit(self, slot: int) -> None:
+        # The sender may be gone; bytes already copied stay valid, so ignore that here.
+        with contextlib.suppress(TransferError):
+            await self._send_frame(_CREDIT, slot, 0)
+
+    async def _send_frame(self, kind: int, slot: int, num_bytes: int) -> None:
+        # Shielded: a cancelled caller must not leave half a frame on the control stream.
+        await asyncio.shield(self._control.send([_FRAME.pack(kind, slot, num_bytes)]))
+
+    async def _read_control(self) -> None:
+        """Demultiplex DATA and CREDIT frames until the control stream ends."""
+        frame = bytearray(_FRAME.size)
+        try:
+            while True:
+                await self._control.receive_into(memoryview(frame))
+                kind, slot, num_bytes = _FRAME.unpack(frame)
+                if kind == _DATA and slot < self._num_slots and num_bytes <= self._slot_bytes:
+                    self._pending.append((slot, num_bytes))
+                    self._data.set()
+                elif kind == _CREDIT and slot not in self._free_slots:
+                    self._free_slots.append(slot)
+                    self._credit.set()
+                else:
+                    raise ProtocolError(
+                        f"{self._name}: bad control frame kind={kind} slot={slot} "
+                        f"num_bytes={num_bytes}"
+                    )
+        except TransferError:
+            pass  # EOF, reset or a bad frame: the peer is gone for this stream either way
+        finally:
+            self._eof = True
+            self._credit.set()
+            self._data.set()

@@ -1,0 +1,134 @@
+"""The byte-stream interface every KV data-plane transport implements.
+
+A `ByteStream` is one end of a reliable, ordered, bidirectional byte pipe (TCP semantics):
+message boundaries are not kept, so a receiver may see one send split over several receives or
+several sends joined in one. Framing belongs to the wire codec above; this module knows nothing
+of frames, blocks or sessions.
+
+Rules every implementation keeps (the conformance suite checks each one):
+
+- `send` is a gather-write of several buffers. Large payloads (memoryviews over KV memory,
+  numpy arrays, torch tensors) are handed to the kernel / copy engine as views; Python never
+  builds one joined `bytes` of the payload.
+- `receive_into(view)` fills exactly `len(view)` bytes straight into the caller's memory and
+  raises `PeerClosed` if the stream ends first. `receive_some` returns b"" only at end of stream.
+- Sends are serialised with each other, and so are receives; one task may send while another
+  receives.
+- Deadlines are the caller's (`asyncio.timeout`). A cancelled operation that moved no bytes
+  leaves the stream usable; one cancelled half-way leaves that direction broken
+  (`StreamBroken` on the next call), and `aclose` always completes.
+- `aclose` is idempotent. The peer then sees end of stream; operations on the closed end raise
+  `StreamBroken`, and tasks blocked on it are woken with `StreamBroken`.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol
+
+from pdserve.errors import StreamBroken
+
+Buffer = bytes | bytearray | memoryview
+"""What `send` accepts: anything exporting a C-contiguous buffer, given as bytes or a view."""
+
+Address = tuple[str, int]
+"""A listening endpoint: (host, port). Tests use 127.0.0.1 and port 0."""
+
+DEFAULT_RECEIVE_BYTES = 65536
+
+
+class ByteStream(abc.ABC):
+    """One end of a reliable ordered byte stream; see the module docstring for the rules."""
+
+    @abc.abstractmethod
+    async def send(self, buffers: Sequence[Buffer]) -> None:
+        """Write every byte of `buffers`, in order, without joining them into one object."""
+
+    @abc.abstractmethod
+    async def receive_into(self, view: memoryview) -> None:
+        """Fill all of `view`; raise `PeerClosed` if the stream ends first."""
+
+    @abc.abstractmethod
+    async def receive_some(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
+        """Return between 1 and `max_bytes` bytes as soon as any arrive; b"" at end of stream."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Close this end (idempotent); wake local waiters; the peer sees end of stream."""
+
+    async def __aenter__(self) -> ByteStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+StreamHandler = Callable[[ByteStream], Awaitable[None]]
+"""Called by a server once per accepted connection; the server closes the stream after it."""
+
+
+class Server(Protocol):
+    """A listening transport endpoint; `aclose` stops accepting and ends running handlers."""
+
+    @property
+    def address(self) -> Address: ...
+
+    async def aclose(self) -> None: ...
+
+
+def byte_view(buffer: Buffer) -> memoryview:
+    """A flat unsigned-byte view of `buffer` without copying (numpy/torch views included).
+
+    Raises ValueError for non-contiguous memory: a gather-write of strided memory would need a
+    hidden copy, which the caller should make (or avoid) knowingly.
+    """
+    view = buffer if isinstance(buffer, memoryview) else memoryview(buffer)
+    if view.format == "B" and view.ndim == 1:
+        return view
+    if not view.c_contiguous:
+        raise ValueError("send() needs C-contiguous buffers; got a strided view")
+    return view.cast("B")
+
+
+def byte_views(buffers: Sequence[Buffer]) -> list[memoryview]:
+    """`byte_view` of each non-empty buffer, in order."""
+    views = [byte_view(b) for b in buffers]
+    return [v for v in views if v.nbytes]
+
+
+def writable_view(view: memoryview) -> memoryview:
+    """A flat writable byte view of a `receive_into` destination (checked up front)."""
+    if view.readonly:
+        raise ValueError("receive_into() needs a writable view")
+    return byte_view(view)
+
+
+def check_max_bytes(max_bytes: int) -> None:
+    """Reject a `receive_some` bound below 1 (it could never make progress)."""
+    if max_bytes < 1:
+        raise ValueError(f"receive_some: max_bytes must be >= 1, got {max_bytes}")
+
+
+class DirectionState:
+    """Open / broken bookkeeping for one direction of a stream, shared by the transports.
+
+    A direction breaks when the local end closes or when an operation is cancelled after moving
+    some bytes (the peer's view of the byte sequence is then unknown).
+    """
+
+    __slots__ = ("name", "reason")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.reason: str | None = None
+
+    def check(self) -> None:
+        """Raise `StreamBroken` if this direction can no longer be used."""
+        if self.reason is not None:
+            raise StreamBroken(f"{self.name}: {self.reason}")
+
+    def break_(self, reason: str) -> None:
+        """Mark the direction unusable; the first reason is kept."""
+        if self.reason is None:
+            self.reason = reason

@@ -1,0 +1,276 @@
+"""TCP `ByteStream` over raw non-blocking sockets driven by the asyncio loop.
+
+Why raw sockets rather than asyncio streams: `StreamReader` copies every byte into its own
+buffer and `StreamWriter` may join buffers; here `send` hands the caller's memoryviews to
+`sendmsg` (a kernel gather-write, at most IOV_MAX views per call) and `receive_into` calls
+`recv_into` on the caller's view, so KV bytes are copied only by the kernel.
+
+Life cycle: connected → (either side) aclose → closed. `aclose` shuts down the write side first
+(the peer reads every byte sent, then EOF), wakes tasks blocked on this socket with
+`StreamBroken`, and closes the socket. Connection failures surface as `PeerClosed`.
+
+This module knows sockets and bytes only: no frames, no sessions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdserve.errors import PeerClosed, StreamBroken, TransferError
+from pdserve.transfer.stream import (
+    DEFAULT_RECEIVE_BYTES,
+    Address,
+    Buffer,
+    ByteStream,
+    DirectionState,
+    StreamHandler,
+    byte_views,
+    check_max_bytes,
+    writable_view,
+)
+
+logger = logging.getLogger(__name__)
+
+# Linux caps one sendmsg at IOV_MAX (1024) iovecs.
+_IOV_MAX = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class TcpConfig:
+    """Socket options applied to every connection."""
+
+    # SO_SNDBUF in bytes (the kernel caps it at net.core.wmem_max); None keeps the default.
+    send_buffer_bytes: int | None = 4 << 20
+    # SO_RCVBUF in bytes; None keeps Linux receive autotuning, which grows past rmem_max.
+    receive_buffer_bytes: int | None = None
+
+
+def configure_socket(sock: socket.socket, config: TcpConfig) -> None:
+    """Make `sock` non-blocking with TCP_NODELAY and the configured buffer sizes."""
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if config.send_buffer_bytes is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, config.send_buffer_bytes)
+    if config.receive_buffer_bytes is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, config.receive_buffer_bytes)
+
+
+class TcpStream(ByteStream):
+    """A connected non-blocking TCP socket as a `ByteStream`."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._fd = sock.fileno()
+        try:
+            self._peer = "%s:%s" % sock.getpeername()[:2]
+        except OSError:
+            self._peer = "unconnected"
+        self._send_lock = asyncio.Lock()
+        self._receive_lock = asyncio.Lock()
+        self._send_state = DirectionState(f"tcp {self._peer} send")
+        self._receive_state = DirectionState(f"tcp {self._peer} receive")
+        self._waiters: set[asyncio.Future[None]] = set()
+        self._closed = False
+
+    async def send(self, buffers: Sequence[Buffer]) -> None:
+        """Gather-write `buffers` with sendmsg; only the kernel copies the payload."""
+        views = byte_views(buffers)
+        async with self._send_lock:
+            self._send_state.check()
+            num_sent = 0
+            try:
+                while views:
+                    try:
+                        n = self._sock.sendmsg(views[:_IOV_MAX])
+                    except (BlockingIOError, InterruptedError):
+                        await self._wait_io(for_write=True)
+                        continue
+                    except OSError as exc:
+                        raise PeerClosed(f"tcp {self._peer}: send failed: {exc}") from exc
+                    num_sent += n
+                    # Drop fully sent views; trim the first partly sent one (a view slice).
+                    while n:
+                        if n >= views[0].nbytes:
+                            n -= views.pop(0).nbytes
+                        else:
+                            views[0] = views[0][n:]
+                            n = 0
+            except asyncio.CancelledError:
+                if num_sent:
+                    self._send_state.break_(f"send cancelled after {num_sent} bytes")
+                raise
+
+    async def receive_into(self, view: memoryview) -> None:
+        """recv_into the caller's view until full; `PeerClosed` at EOF before that."""
+        target = writable_view(view)
+        async with self._receive_lock:
+            self._receive_state.check()
+            num_received = 0
+            try:
+                while num_received < target.nbytes:
+                    n = await self._recv_into(target[num_received:])
+                    if n == 0:
+                        raise PeerClosed(
+                            f"tcp {self._peer}: stream ended after {num_received} of "
+                            f"{target.nbytes} bytes"
+                        )
+                    num_received += n
+            except asyncio.CancelledError:
+                if num_received:
+                    self._receive_state.break_(f"receive cancelled after {num_received} bytes")
+                raise
+
+    async def receive_some(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
+        """One recv of up to `max_bytes`; b"" at EOF. Cancelling it consumes nothing."""
+        check_max_bytes(max_bytes)
+        async with self._receive_lock:
+            self._receive_state.check()
+            while True:
+                try:
+                    return self._sock.recv(max_bytes)
+                except (BlockingIOError, InterruptedError):
+                    await self._wait_io(for_write=False)
+                except OSError as exc:
+                    raise PeerClosed(f"tcp {self._peer}: receive failed: {exc}") from exc
+
+    async def aclose(self) -> None:
+        """Send FIN after queued bytes, wake local waiters, close the socket (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._send_state.break_("closed locally")
+        self._receive_state.break_("closed locally")
+        loop = asyncio.get_running_loop()
+        # Unregister before close so a reused fd number is never touched by a late waiter.
+        loop.remove_reader(self._fd)
+        loop.remove_writer(self._fd)
+        for fut in self._waiters:
+            if not fut.done():
+                fut.set_exception(StreamBroken(f"tcp {self._peer}: closed locally"))
+        self._waiters.clear()
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_WR)
+        self._sock.close()
+
+    async def _recv_into(self, view: memoryview) -> int:
+        while True:
+            try:
+                return self._sock.recv_into(view)
+            except (BlockingIOError, InterruptedError):
+                await self._wait_io(for_write=False)
+            except OSError as exc:
+                raise PeerClosed(f"tcp {self._peer}: receive failed: {exc}") from exc
+
+    async def _wait_io(self, for_write: bool) -> None:
+        """Wait until the socket is readable/writable, or raise if closed meanwhile."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        if for_write:
+            loop.add_writer(self._fd, _resolve, fut)
+        else:
+            loop.add_reader(self._fd, _resolve, fut)
+        self._waiters.add(fut)
+        try:
+            await fut
+        finally:
+            self._waiters.discard(fut)
+            if not self._closed:
+                if for_write:
+                    loop.remove_writer(self._fd)
+                else:
+                    loop.remove_reader(self._fd)
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+async def open_tcp_stream(address: Address, config: TcpConfig | None = None) -> TcpStream:
+    """Connect to `address` and return the stream; connection errors raise `PeerClosed`."""
+    config = config or TcpConfig()
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        configure_socket(sock, config)
+        await loop.sock_connect(sock, address)
+    except OSError as exc:
+        sock.close()
+        raise PeerClosed(f"tcp connect to {address[0]}:{address[1]} failed: {exc}") from exc
+    except BaseException:
+        sock.close()
+        raise
+    return TcpStream(sock)
+
+
+class TcpServer:
+    """Accepts connections and runs `handler(stream)` for each; closes the stream after."""
+
+    def __init__(self, sock: socket.socket, handler: StreamHandler, config: TcpConfig) -> None:
+        self._sock = sock
+        self._handler = handler
+        self._config = config
+        self._address: Address = sock.getsockname()[:2]
+        self._connections: set[asyncio.Task[None]] = set()
+        self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
+
+    @property
+    def address(self) -> Address:
+        """The (host, port) it listens on; the port is real even when asked for port 0."""
+        return self._address
+
+    async def aclose(self) -> None:
+        """Stop accepting, cancel running handlers and wait for them (idempotent)."""
+        self._accept_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._accept_task
+        self._sock.close()
+        tasks = list(self._connections)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(self._sock)
+            configure_socket(conn, self._config)
+            task = loop.create_task(self._serve_one(TcpStream(conn)))
+            self._connections.add(task)
+            task.add_done_callback(self._connections.discard)
+
+    async def _serve_one(self, stream: TcpStream) -> None:
+        try:
+            await self._handler(stream)
+        except TransferError as exc:
+            logger.info("tcp handler ended: %s", exc)
+        except Exception:
+            # A failing handler ends its own connection, never the server.
+            logger.exception("tcp handler failed")
+        finally:
+            await stream.aclose()
+
+
+async def serve_tcp(
+    handler: StreamHandler,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    config: TcpConfig | None = None,
+) -> TcpServer:
+    """Listen on (host, port) and serve each connection with `handler`."""
+    config = config or TcpConfig()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return TcpServer(sock, handler, config)

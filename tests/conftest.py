@@ -1,0 +1,25 @@
+"""Shared fixtures: the tiny default model, built once per test session into a temp cache."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded default model, built into a session-private cache directory."""
+    from pdserve.model.tiny import default_model_path
+
+    cache = tmp_path_factory.mktemp("pdserve-cache")
+    old = os.environ.get("PDSERVE_CACHE")
+    os.environ["PDSERVE_CACHE"] = str(cache)
+    try:
+        return default_model_path()
+    finally:
+        if old is None:
+            os.environ.pop("PDSERVE_CACHE", None)
+        else:
+            os.environ["PDSERVE_CACHE"] = old

@@ -1,0 +1,54 @@
+"""The `pdserve` command as a user runs it: a real subprocess on the tiny default model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def pdserve(args: list[str], cache: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PDSERVE_CACHE": str(cache)}
+    return subprocess.run(
+        [sys.executable, "-m", "pdserve", *args],
+        capture_output=True, text=True, timeout=timeout, env=env, check=False,
+    )
+
+
+def test_generate_prints_the_prompt_and_a_completion(tiny_model_path: Path) -> None:
+    cache = tiny_model_path.parent
+    a = pdserve(["generate", "Hello there", "--max-tokens", "8"], cache)
+    assert a.returncode == 0, a.stderr
+    assert a.stdout.startswith("Hello there")
+    assert len(a.stdout.strip()) > len("Hello there")
+    b = pdserve(["generate", "Hello there", "--max-tokens", "8"], cache)
+    assert b.stdout == a.stdout  # greedy by default: deterministic
+
+
+def test_seeded_sampling_is_reproducible_across_processes(tiny_model_path: Path) -> None:
+    cache = tiny_model_path.parent
+    args = ["generate", "Once", "--max-tokens", "12", "--temperature", "1.0", "--seed", "5"]
+    assert pdserve(args, cache).stdout == pdserve(args, cache).stdout
+
+
+def test_bad_flags_give_one_clear_line_and_status_2(tiny_model_path: Path) -> None:
+    cache = tiny_model_path.parent
+    r = pdserve(["generate", "x", "--max-tokens", "0"], cache)
+    assert r.returncode == 2 and "expected a positive integer" in r.stderr
+    r = pdserve(["generate", "x", "--temperature", "-1"], cache)
+    assert r.returncode == 2 and "temperature" in r.stderr
+    r = pdserve(["generate", "x", "--model", str(cache / "nope")], cache)
+    assert r.returncode == 2 and "nope" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_engine_quick_writes_ratios(tiny_model_path: Path, tmp_path: Path) -> None:
+    out = tmp_path / "engine.json"
+    r = pdserve(["bench", "engine", "--quick", "--json", str(out)], tiny_model_path.parent, 600)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert set(data["ratio_vs_transformers"]) == {"batch1", "batch8-mixed"}
+    assert all(v > 0 for v in data["ratio_vs_transformers"].values())
+    assert data["prefix_cache_ttft_speedup"] > 0
+    assert "ratio" in r.stdout
