@@ -200,6 +200,9 @@ class PeerClosed(TransferError):
 class StreamBroken(TransferError):
     """This end of a byte stream is closed, or a cancelled send/receive left it mid-message."""
 
+    # The attempt on this stream is lost; a new attempt on a new stream may succeed.
+    retryable = True
+
 
 class TransferRefused(TransferError):
     """The peer refused the transfer (Nack); `reason` says why."""

@@ -85,7 +85,7 @@ class ModelConfig:
 
     @property
     def rope_type(self) -> str:
-        """ "default", "linear" or "llama3"."""
+        """The RoPE variant: "default", "linear" or "llama3"."""
         return "default" if self.rope_scaling is None else self.rope_scaling.rope_type
 
     @property
@@ -217,9 +217,6 @@ def _dedupe(ids: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
-_MISSING = object()
-
-
 class _Fields:
     """Typed access to a JSON object; every failure names the file and the (dotted) field."""
 
@@ -228,42 +225,44 @@ class _Fields:
         self.raw = raw
         self.prefix = prefix
 
-    def _get(self, name: str, default: object) -> object:
-        value = self.raw.get(name)
-        if value is None:
-            if default is _MISSING:
-                raise ModelConfigError(self.file, self.prefix + name, "missing")
-            return default
-        return value
-
     def _fail(self, name: str, detail: str) -> ModelConfigError:
         return ModelConfigError(self.file, self.prefix + name, detail)
 
-    def pos_int(self, name: str, default: object = _MISSING) -> int:
-        value = self._get(name, default)
+    def pos_int(self, name: str, default: int | None = None) -> int:
+        """A present value must be > 0; absent, `default` is returned (None: required)."""
+        value = self.raw.get(name)
+        if value is None:
+            if default is None:
+                raise self._fail(name, "missing")
+            return default
         # bool is an int subclass: `true` is not a layer count.
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise self._fail(name, f"expected a positive integer, got {value!r}")
-        if value == 0 and default is _MISSING:
-            raise self._fail(name, "expected a positive integer, got 0")
         return value
 
-    def pos_float(self, name: str, default: object = _MISSING) -> float:
-        value = self._get(name, default)
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+    def pos_float(self, name: str, default: float | None = None) -> float:
+        """A present value must be > 0; absent, `default` is returned (None: required)."""
+        value = self.raw.get(name)
+        if value is None:
+            if default is None:
+                raise self._fail(name, "missing")
+            return default
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
             raise self._fail(name, f"expected a positive number, got {value!r}")
-        if value == 0 and default is _MISSING:
-            raise self._fail(name, "expected a positive number, got 0")
         return float(value)
 
     def boolean(self, name: str, default: bool) -> bool:
-        value = self._get(name, default)
+        """true/false; absent (or null), `default`."""
+        value = self.raw.get(name)
+        if value is None:
+            return default
         if not isinstance(value, bool):
             raise self._fail(name, f"expected true or false, got {value!r}")
         return value
 
     def token_ids(self, name: str) -> tuple[int, ...]:
-        value = self._get(name, None)
+        """One token id or a list of them; absent, ()."""
+        value = self.raw.get(name)
         if value is None:
             return ()
         values = value if isinstance(value, list) else [value]

@@ -99,6 +99,8 @@ class NackCode(IntEnum):
     SEQUENCE_GAP = 9
     LEASE = 10
     ALREADY_COMMITTED = 11
+    # No reservation is waiting for this transfer id (never made, expired or cancelled).
+    UNKNOWN_TRANSFER = 12
 
 
 # Damage in flight (checksums, lost frames) is worth a resend; a refusal on identity is not.

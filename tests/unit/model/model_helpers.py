@@ -73,7 +73,9 @@ def kv_cache_for(module: LlamaModel, num_blocks: int, block_size: int) -> torch.
     c = module.config
     dtype = module.norm.weight.dtype
     # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
-    return torch.zeros(num_blocks, c.num_layers, 2, block_size, c.num_kv_heads, c.head_dim, dtype=dtype)
+    return torch.zeros(
+        num_blocks, c.num_layers, 2, block_size, c.num_kv_heads, c.head_dim, dtype=dtype
+    )
 
 
 def paged_greedy(

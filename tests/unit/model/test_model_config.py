@@ -36,13 +36,21 @@ def test_defaults() -> None:
 
 
 def test_rope_spellings_agree() -> None:
-    old = parse_config({**BASE, "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", **LLAMA3}})
-    old_type_key = parse_config({**BASE, "rope_theta": 5e5, "rope_scaling": {"type": "llama3", **LLAMA3}})
-    new = parse_config({**BASE, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **LLAMA3}})
+    old = parse_config(
+        {**BASE, "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", **LLAMA3}}
+    )
+    old_type_key = parse_config(
+        {**BASE, "rope_theta": 5e5, "rope_scaling": {"type": "llama3", **LLAMA3}}
+    )
+    new = parse_config(
+        {**BASE, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **LLAMA3}}
+    )
     assert old == old_type_key == new
     assert new.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 64)
     assert new.rope_theta == 5e5
-    default_new = parse_config({**BASE, "rope_parameters": {"rope_type": "default", "rope_theta": 7.0}})
+    default_new = parse_config(
+        {**BASE, "rope_parameters": {"rope_type": "default", "rope_theta": 7.0}}
+    )
     assert default_new.rope_scaling is None and default_new.rope_theta == 7.0
 
 
@@ -55,7 +63,9 @@ def test_llama3_original_length_defaults_to_max_positions() -> None:
 
 def test_eos_merges_generation_config_and_model_type_fallback() -> None:
     raw = {k: v for k, v in BASE.items() if k != "architectures"}
-    c = parse_config({**raw, "model_type": "mistral", "eos_token_id": 2}, {"eos_token_id": [2, 7, 9]})
+    c = parse_config(
+        {**raw, "model_type": "mistral", "eos_token_id": 2}, {"eos_token_id": [2, 7, 9]}
+    )
     assert c.architecture == "MistralForCausalLM"
     assert c.eos_token_ids == (2, 7, 9)
 
@@ -83,7 +93,9 @@ def test_inv_freq_and_tables_equal_transformers(rope: dict[str, Any]) -> None:
     transformers = pytest.importorskip("transformers")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    hf_config = transformers.LlamaConfig(**{k: v for k, v in BASE.items() if k != "architectures"}, rope_parameters=dict(rope))
+    hf_config = transformers.LlamaConfig(
+        **{k: v for k, v in BASE.items() if k != "architectures"}, rope_parameters=dict(rope)
+    )
     ours = parse_config({**BASE, "rope_parameters": dict(rope)})
     if rope["rope_type"] == "default":
         rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(hf_config)

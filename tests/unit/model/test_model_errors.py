@@ -66,7 +66,7 @@ def test_missing_file(small_folder: Path, name: str, error: type[ModelError]) ->
 
 def test_unsupported_architecture(small_folder: Path) -> None:
     _edit_config(small_folder, architectures=["GPT2LMHeadModel"])
-    with pytest.raises(UnsupportedArchitecture, match="config.json.*GPT2LMHeadModel"):
+    with pytest.raises(UnsupportedArchitecture, match=r"config\.json.*GPT2LMHeadModel"):
         load_model(small_folder)
 
 
@@ -77,6 +77,7 @@ def test_unsupported_architecture(small_folder: Path) -> None:
         ({"num_hidden_layers": True}, "num_hidden_layers"),
         ({"vocab_size": -3}, "vocab_size"),
         ({"num_key_value_heads": 3}, "num_key_value_heads"),
+        ({"num_key_value_heads": 0}, "num_key_value_heads"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type"),
         ({"rope_scaling": {"rope_type": "linear"}}, "rope_scaling.factor"),
@@ -94,7 +95,7 @@ def test_bad_config_field(small_folder: Path, changes: dict[str, object], field:
 
 def test_config_not_json(small_folder: Path) -> None:
     (small_folder / "config.json").write_text("{not json")
-    with pytest.raises(ModelConfigError, match="config.json"):
+    with pytest.raises(ModelConfigError, match=r"config\.json"):
         load_model(small_folder)
 
 
@@ -110,7 +111,9 @@ def test_wrong_tensor_shape(small_folder: Path) -> None:
 
 def test_missing_tensor(small_folder: Path) -> None:
     _edit_weights(small_folder, model__norm__weight=None)
-    with pytest.raises(ModelConfigError, match=r"model\.safetensors.*'model\.norm\.weight'.*missing"):
+    with pytest.raises(
+        ModelConfigError, match=r"model\.safetensors.*'model\.norm\.weight'.*missing"
+    ):
         load_model(small_folder)
 
 
@@ -122,7 +125,7 @@ def test_unexpected_tensor(small_folder: Path) -> None:
 
 def test_corrupt_safetensors(small_folder: Path) -> None:
     (small_folder / "model.safetensors").write_bytes(b"\x08" + b"\x00" * 7 + b"garbage!")
-    with pytest.raises(ModelConfigError, match="model.safetensors"):
+    with pytest.raises(ModelConfigError, match=r"model\.safetensors"):
         load_model(small_folder)
 
 
@@ -134,7 +137,11 @@ def test_tokenizer_larger_than_vocab(small_folder: Path) -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "value"),
-    [({"dtype": "float16"}, "float16"), ({"quantization": "int4"}, "int4"), ({"kv_block_size": 0}, "0")],
+    [
+        ({"dtype": "float16"}, "float16"),
+        ({"quantization": "int4"}, "int4"),
+        ({"kv_block_size": 0}, "0"),
+    ],
 )
 def test_bad_load_arguments(small_folder: Path, kwargs: dict[str, object], value: str) -> None:
     with pytest.raises(ConfigError, match=value):
@@ -161,9 +168,11 @@ def test_sharded_checkpoint_equals_single_file(small_folder: Path) -> None:
     sharded = load_model(small_folder)
     assert sharded.fingerprint == single.fingerprint
     prompt = [[3, 4, 5, 6, 7]]
-    assert torch.equal(prefill_logits(single.module, prompt, 4), prefill_logits(sharded.module, prompt, 4))
+    assert torch.equal(
+        prefill_logits(single.module, prompt, 4), prefill_logits(sharded.module, prompt, 4)
+    )
     (small_folder / "model-00002-of-00002.safetensors").unlink()
-    with pytest.raises(ModelFileMissing, match="model-00002-of-00002.safetensors"):
+    with pytest.raises(ModelFileMissing, match=r"model-00002-of-00002\.safetensors"):
         load_model(small_folder)
 
 

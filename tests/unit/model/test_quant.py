@@ -30,7 +30,9 @@ def test_int8_linear_rounds_each_row_within_half_a_step() -> None:
     layer = Int8Linear(weight, bias)
     assert layer.weight_int8.dtype == torch.int8
     assert int(layer.weight_int8.abs().max()) == 127
-    assert torch.equal(layer.scale, torch.where(weight.abs().amax(1) > 0, weight.abs().amax(1) / 127, 1.0))
+    assert torch.equal(
+        layer.scale, torch.where(weight.abs().amax(1) > 0, weight.abs().amax(1) / 127, 1.0)
+    )
     err = (layer.dequantized() - weight).abs()
     assert bool((err <= layer.scale[:, None] / 2 + 1e-7).all())
     x = torch.randn(5, 32, generator=g)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from model_helpers import prefill_logits, relative_error
 
+import pdserve
 from pdserve.model.loader import load_model
 from pdserve.model.tiny import TINY_VERSION, build_tiny_model
 
@@ -30,7 +31,13 @@ def _files(folder: Path) -> dict[str, bytes]:
 def test_dims_and_size(tiny_model_path: Path) -> None:
     model = load_model(tiny_model_path)
     c = model.config
-    assert (c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (256, 4, 4, 2, 64)
+    assert (c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (
+        256,
+        4,
+        4,
+        2,
+        64,
+    )
     assert (c.intermediate_size, c.vocab_size, c.max_position_embeddings) == (768, 2048, 2048)
     assert model.tokenizer.vocab_size == 2048
     assert sorted(p.name for p in tiny_model_path.iterdir()) == FILES
@@ -43,7 +50,9 @@ def test_same_seed_same_bytes_in_process_and_across_processes(
 ) -> None:
     # Two concurrent processes race to build the default model into one fresh cache: both
     # succeed, and the surviving folder is byte-identical to in-process builds.
-    env = {**os.environ, "PDSERVE_CACHE": str(tmp_path / "cache")}
+    repo_root = Path(pdserve.__file__).resolve().parent.parent
+    pythonpath = os.pathsep.join(filter(None, [str(repo_root), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PDSERVE_CACHE": str(tmp_path / "cache"), "PYTHONPATH": pythonpath}
     code = "from pdserve.model.tiny import default_model_path; print(default_model_path())"
     procs = [
         subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)

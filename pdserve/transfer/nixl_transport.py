@@ -1,0 +1,294 @@
+"""`ByteStream` over NIXL (UCX backend, DRAM): bulk bytes by one-sided WRITE into the peer.
+
+Each end creates a NIXL agent and a registered, pre-touched inbox of `num_slots` slots, and
+swaps agent metadata (which names the inbox registration) over a TCP control stream. A send
+registers the caller's views for the duration of a slot write, issues one NIXL WRITE from them
+(gathered, no Python copy) into a free slot of the peer's inbox, waits for completion and
+announces the slot with a DATA frame; the receiver copies the slot into the caller's view and
+returns the credit (`slot_stream` holds that protocol).
+
+Progress: the UCX progress thread busy-polls a core, so it is off; each end drives its worker
+instead from a polling task whose period backs off from 0.1 ms while the stream is active to
+5 ms when idle (some UCX paths need the target to progress, e.g. agents in one process).
+
+`nixl` is imported lazily: `nixl_available()` says whether this build can use it.
+This module knows agents, registrations and the handshake, not the KV codec or sessions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import secrets
+import struct
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pdserve.errors import BadMagic, PeerClosed, ProtocolError, TransferError, UnsupportedVersion
+from pdserve.transfer.slot_stream import SlotStream
+from pdserve.transfer.stream import DEFAULT_RECEIVE_BYTES, Address, Buffer, ByteStream
+from pdserve.transfer.stream import StreamHandler
+from pdserve.transfer.tcp import TcpServer, open_tcp_stream, serve_tcp
+
+_HELLO = struct.Struct("<4sHHIQQI")  # magic, version, 0, num_slots, slot_bytes, address, md len
+_MAGIC = b"PDNX"
+_VERSION = 1
+_ATTACHED = b"A"
+_MIN_POLL_S = 1e-4
+_MAX_POLL_S = 5e-3
+# How long a cancelled send waits for an in-flight WRITE to finish before giving up on it.
+_DRAIN_S = 2.0
+
+
+@functools.cache
+def nixl_available() -> bool:
+    """True when the nixl package and its UCX plugin import in this environment."""
+    try:
+        import nixl._api  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class NixlConfig:
+    """Inbox geometry and progress settings of each end."""
+
+    num_slots: int = 8
+    slot_bytes: int = 8 << 20
+    # A UCX progress thread costs a spinning core; the polling task is the default.
+    progress_thread: bool = False
+
+
+def _address(view: memoryview) -> int:
+    """The address of a byte view's first byte (read-only views included)."""
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+def _transfer_error(where: str, exc: Exception) -> TransferError:
+    if "Disconnect" in type(exc).__name__:
+        return PeerClosed(f"nixl {where}: peer disconnected: {exc}")
+    return TransferError(f"nixl {where}: {type(exc).__name__}: {exc}")
+
+
+class _Endpoint:
+    """One agent with its registered inbox; lives as long as one stream."""
+
+    def __init__(self, config: NixlConfig) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        if not os.environ.get("NIXL_LOG_LEVEL"):
+            logging.getLogger("nixl").setLevel(logging.WARNING)  # it logs INFO to stdout
+        self.name = f"pdserve-{os.getpid()}-{secrets.token_hex(6)}"
+        agent_config = nixl_agent_config(
+            enable_prog_thread=config.progress_thread, backends=["UCX"]
+        )
+        self.agent: Any = nixl_agent(self.name, agent_config)
+        self.inbox = np.empty(config.num_slots * config.slot_bytes, dtype=np.uint8)
+        self.inbox.fill(0)  # pre-touch: a first touch during a transfer costs ~10x
+        self.inbox_reg = self.agent.register_memory(
+            [(int(self.inbox.ctypes.data), self.inbox.nbytes, 0, "")], "DRAM"
+        )
+        self.peer_name: str | None = None
+        self.active = True  # set by any control traffic; read by the progress task
+
+    def progress(self) -> None:
+        """Drive the UCX worker once (we use no notifications; this is what polls it)."""
+        self.agent.get_new_notifs()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            if self.peer_name is not None:
+                self.agent.remove_remote_agent(self.peer_name)
+        with contextlib.suppress(Exception):
+            self.agent.deregister_memory(self.inbox_reg)
+
+
+class _NixlWriter:
+    """WRITEs a slot's worth of the caller's views into the peer's inbox."""
+
+    def __init__(self, endpoint: _Endpoint, peer_inbox: int, peer_slot_bytes: int) -> None:
+        self._endpoint = endpoint
+        self._peer_inbox = peer_inbox
+        self._peer_slot_bytes = peer_slot_bytes
+
+    async def write(self, slot: int, views: list[memoryview]) -> None:
+        agent = self._endpoint.agent
+        assert self._endpoint.peer_name is not None
+        self._endpoint.active = True
+        spans = [(_address(v), v.nbytes) for v in views]
+        try:
+            reg = agent.register_memory([(a, n, 0, "") for a, n in spans], "DRAM")
+        except Exception as exc:
+            raise _transfer_error("register", exc) from exc
+        try:
+            remote, offset = [], self._peer_inbox + slot * self._peer_slot_bytes
+            for _, n in spans:
+                remote.append((offset, n, 0))
+                offset += n
+            local_descs = agent.get_xfer_descs([(a, n, 0) for a, n in spans], "DRAM")
+            remote_descs = agent.get_xfer_descs(remote, "DRAM")
+            handle = agent.initialize_xfer(
+                "WRITE", local_descs, remote_descs, self._endpoint.peer_name
+            )
+            try:
+                await self._wait_done(handle, agent.transfer(handle))
+            finally:
+                handle.release()
+        except TransferError:
+            raise
+        except Exception as exc:
+            raise _transfer_error("write", exc) from exc
+        finally:
+            with contextlib.suppress(Exception):
+                agent.deregister_memory(reg)
+
+    async def _wait_done(self, handle: Any, state: str) -> None:
+        agent = self._endpoint.agent
+        delay = 0.0
+        try:
+            while state == "PROC":
+                await asyncio.sleep(delay)
+                delay = min(_MIN_POLL_S if delay == 0.0 else delay * 2, _MAX_POLL_S / 5)
+                state = agent.check_xfer_state(handle)
+        except asyncio.CancelledError:
+            # The WRITE reads the caller's memory: it must be over before the caller regains it.
+            deadline = time.monotonic() + _DRAIN_S
+            while state == "PROC" and time.monotonic() < deadline:
+                time.sleep(_MIN_POLL_S)
+                self._endpoint.progress()
+                state = agent.check_xfer_state(handle)
+            raise
+        if state != "DONE":
+            raise TransferError(f"nixl write to {self._endpoint.peer_name} failed ({state})")
+
+    def close(self) -> None:
+        pass
+
+
+class _ActivityStream(ByteStream):
+    """The control stream, marking the endpoint active on every frame either way."""
+
+    def __init__(self, inner: ByteStream, endpoint: _Endpoint) -> None:
+        self._inner = inner
+        self._endpoint = endpoint
+
+    async def send(self, buffers: Sequence[Buffer]) -> None:
+        self._endpoint.active = True
+        await self._inner.send(buffers)
+
+    async def receive_into(self, view: memoryview) -> None:
+        await self._inner.receive_into(view)
+        self._endpoint.active = True
+
+    async def receive_some(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
+        data = await self._inner.receive_some(max_bytes)
+        self._endpoint.active = True
+        return data
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+async def _progress_loop(endpoint: _Endpoint) -> None:
+    delay = _MIN_POLL_S
+    while True:
+        await asyncio.sleep(delay)
+        endpoint.progress()
+        if endpoint.active:
+            endpoint.active, delay = False, _MIN_POLL_S
+        else:
+            delay = min(delay * 2, _MAX_POLL_S)
+
+
+async def connect_nixl(control: ByteStream, config: NixlConfig | None = None) -> SlotStream:
+    """Run the NIXL handshake over an open control stream (symmetric; both ends call it)."""
+    if not nixl_available():
+        raise TransferError("nixl transport: the nixl package is not importable")
+    config = config or NixlConfig()
+    endpoint = await asyncio.to_thread(_Endpoint, config)
+    progress: asyncio.Task[None] | None = None
+    try:
+        metadata = endpoint.agent.get_agent_metadata()
+        address = int(endpoint.inbox.ctypes.data)
+        hello = _HELLO.pack(
+            _MAGIC, _VERSION, 0, config.num_slots, config.slot_bytes, address, len(metadata)
+        )
+        await control.send([hello, metadata])
+        header = bytearray(_HELLO.size)
+        await control.receive_into(memoryview(header))
+        magic, version, _, peer_num_slots, peer_slot_bytes, peer_inbox, md_len = _HELLO.unpack(
+            header
+        )
+        if magic != _MAGIC:
+            raise BadMagic(f"nixl handshake: magic {magic!r}, expected {_MAGIC!r}")
+        if version != _VERSION:
+            raise UnsupportedVersion(f"nixl handshake: version {version}, this build speaks 1")
+        peer_metadata = bytearray(md_len)
+        await control.receive_into(memoryview(peer_metadata))
+        try:
+            peer_name = endpoint.agent.add_remote_agent(bytes(peer_metadata))
+        except Exception as exc:
+            raise ProtocolError(f"nixl handshake: bad peer metadata: {exc}") from exc
+        endpoint.peer_name = peer_name.decode() if isinstance(peer_name, bytes) else peer_name
+        await control.send([_ATTACHED])
+        ack = bytearray(1)
+        await control.receive_into(memoryview(ack))
+        if ack != _ATTACHED:
+            raise ProtocolError(f"nixl handshake: expected ATTACHED, got {bytes(ack)!r}")
+        if not config.progress_thread:
+            progress = asyncio.get_running_loop().create_task(_progress_loop(endpoint))
+    except BaseException:
+        endpoint.close()
+        raise
+
+    def on_close() -> None:
+        if progress is not None:
+            progress.cancel()
+        endpoint.close()
+
+    return SlotStream(
+        _ActivityStream(control, endpoint),
+        inbox=memoryview(endpoint.inbox),
+        inbox_slot_bytes=config.slot_bytes,
+        writer=_NixlWriter(endpoint, peer_inbox, peer_slot_bytes),
+        peer_num_slots=peer_num_slots,
+        peer_slot_bytes=peer_slot_bytes,
+        on_close=on_close,
+        name=f"nixl {endpoint.name}",
+    )
+
+
+async def open_nixl_stream(address: Address, config: NixlConfig | None = None) -> SlotStream:
+    """Connect the control stream to a `serve_nixl` server and set up the NIXL agents."""
+    control = await open_tcp_stream(address)
+    try:
+        return await connect_nixl(control, config)
+    except BaseException:
+        await control.aclose()
+        raise
+
+
+async def serve_nixl(
+    handler: StreamHandler,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    config: NixlConfig | None = None,
+) -> TcpServer:
+    """Serve NIXL streams: each accepted control connection is upgraded, then handled."""
+
+    async def upgrade(control: ByteStream) -> None:
+        stream = await connect_nixl(control, config)
+        try:
+            await handler(stream)
+        finally:
+            await stream.aclose()
+
+    return await serve_tcp(upgrade, host, port)

@@ -1,0 +1,184 @@
+"""The sending side of a KV transfer: one attempt over a stream, and the retry loop around it.
+
+An attempt is Hello ⇄ Hello, Begin → Ack, the chunks (data straight from KV memory), Commit →
+Ack. Chunks are streamed without per-chunk replies; a receiver that refuses one answers with a
+Nack, which the sender reads where it expects the commit Ack.
+
+`send_with_retries` runs attempts until one is acknowledged: each new attempt (same transfer id,
+attempt + 1) resends the whole snapshot, which the prefill side holds unchanged under its lease
+until the Ack. Between attempts it waits a full-jitter backoff that never crosses the lease
+deadline. Retryable errors (damage, timeouts, lost connections) are retried; fatal ones
+(fingerprint, capability, lease lost) end the transfer at once. The lease is checked (fenced)
+before every attempt and released after the Ack, and only then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from pdserve.clock import Clock, MonotonicClock
+from pdserve.errors import PdserveError, PeerClosed, ProtocolError, TransferTimeout
+from pdserve.transfer.backoff import Backoff, BackoffPolicy
+from pdserve.transfer.codec import data_checksum
+from pdserve.transfer.framing import read_frame, write_frame
+from pdserve.transfer.lease import LeaseTable
+from pdserve.transfer.messages import Begin, Chunk, KVLayout
+from pdserve.transfer.sender_session import SenderAction, SenderSession, SenderState
+from pdserve.transfer.stream import ByteStream
+
+
+@dataclass(frozen=True, slots=True)
+class OutgoingTransfer:
+    """One request's KV as the sender holds it."""
+
+    transfer_id: bytes
+    request_id: str
+    # Version of the held KV; a retry resends the same snapshot.
+    snapshot_version: int
+    layout: KVLayout
+    num_tokens: int
+    token_digest: bytes
+    # Shared secret of this transfer, issued by the receiver's reservation.
+    capability_token: bytes
+    # One byte view per block, in transfer order, each layout.block_bytes long.
+    blocks: Sequence[memoryview]
+
+
+@dataclass(frozen=True, slots=True)
+class SendPolicy:
+    """Chunking, deadlines and retries of the sending side."""
+
+    # Blocks per Chunk frame.
+    chunk_blocks: int = 16
+    # Deadline for each chunk's send and for each reply.
+    chunk_timeout_s: float = 5.0
+    # Deadline for opening the connection.
+    connect_timeout_s: float = 5.0
+    backoff: BackoffPolicy = field(default_factory=BackoffPolicy)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseHandle:
+    """The sender's lease on the blocks it is sending."""
+
+    table: LeaseTable
+    lease_id: int
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class SendReport:
+    """What a finished transfer took."""
+
+    attempts: int
+    bytes_sent: int
+    # Why each failed attempt failed, in order.
+    failures: tuple[str, ...]
+
+
+async def _reply(stream: ByteStream, session: SenderSession, timeout_s: float) -> SenderAction:
+    async with asyncio.timeout(timeout_s):
+        header, message = await read_frame(stream)
+    return session.receive(header, message)
+
+
+def _expect(action: SenderAction, want: SenderAction, session: SenderSession) -> None:
+    if action is not want:
+        raise ProtocolError(f"sender {session.transfer_id.hex()}: got {action.name}, want {want.name}")
+
+
+async def send_attempt(
+    stream: ByteStream, session: SenderSession, transfer: OutgoingTransfer, policy: SendPolicy
+) -> int:
+    """Run one attempt to its Ack; returns the data bytes sent."""
+    t = policy.chunk_timeout_s
+    async with asyncio.timeout(t):
+        await write_frame(stream, session.send_hello())
+    _expect(await _reply(stream, session, t), SenderAction.SEND_BEGIN, session)
+    begin = Begin(
+        transfer.transfer_id, transfer.request_id, transfer.snapshot_version, transfer.layout,
+        transfer.num_tokens, transfer.token_digest, transfer.capability_token,
+    )
+    async with asyncio.timeout(t):
+        await write_frame(stream, session.send_begin(begin))
+    action = await _reply(stream, session, t)
+    if action is SenderAction.RELEASE_LEASE:
+        return 0  # a retry of a transfer the receiver had already committed
+    _expect(action, SenderAction.SEND_CHUNKS, session)
+    sent = 0
+    for first in range(0, len(transfer.blocks), policy.chunk_blocks):
+        views = transfer.blocks[first : first + policy.chunk_blocks]
+        chunk = Chunk(first, len(views), data_checksum(views))
+        async with asyncio.timeout(t):
+            await write_frame(stream, session.send_chunk(chunk), views, verify_data=False)
+        sent += sum(v.nbytes for v in views)
+    async with asyncio.timeout(t):
+        await write_frame(stream, session.send_commit())
+    _expect(await _reply(stream, session, t), SenderAction.RELEASE_LEASE, session)
+    return sent
+
+
+async def send_with_retries(
+    connect: Callable[[], Awaitable[ByteStream]],
+    session: SenderSession,
+    transfer: OutgoingTransfer,
+    policy: SendPolicy,
+    *,
+    deadline: float,
+    lease: LeaseHandle | None = None,
+    clock: Clock | None = None,
+    rng: random.Random | None = None,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+) -> SendReport:
+    """Send until acknowledged, retrying retryable failures with backoff until `deadline`.
+
+    Raises the last error when retries run out or a failure is fatal. On success the lease (if
+    given) is released.
+    """
+    clock = clock or MonotonicClock()
+    backoff = Backoff(policy.backoff, rng or random.Random(), deadline)
+    failures: list[str] = []
+    while True:
+        if lease is not None:
+            lease.table.check(lease.lease_id, lease.epoch)
+        try:
+            sent = await _one_attempt(connect, session, transfer, policy)
+        except PdserveError as exc:
+            failures.append(f"attempt {session.attempt}: {type(exc).__name__}: {exc}")
+            delay = backoff.next_delay(clock.now()) if exc.retryable else None
+            if delay is None:
+                raise
+            await sleep(delay)
+            if session.state is not SenderState.IDLE:  # IDLE: the connect failed, nothing sent
+                session.restart()
+            continue
+        if lease is not None:
+            lease.table.release(lease.lease_id, lease.epoch)
+        return SendReport(session.attempt, sent, tuple(failures))
+
+
+async def _one_attempt(
+    connect: Callable[[], Awaitable[ByteStream]],
+    session: SenderSession,
+    transfer: OutgoingTransfer,
+    policy: SendPolicy,
+) -> int:
+    where = f"transfer {transfer.transfer_id.hex()} attempt {session.attempt}"
+    try:
+        async with asyncio.timeout(policy.connect_timeout_s):
+            stream = await connect()
+    except TimeoutError:
+        raise TransferTimeout(f"{where}: connect timed out") from None
+    except OSError as exc:
+        raise PeerClosed(f"{where}: connect failed: {exc}") from None
+    try:
+        return await send_attempt(stream, session, transfer, policy)
+    except TimeoutError:
+        raise TransferTimeout(f"{where}: no progress within {policy.chunk_timeout_s}s") from None
+    except OSError as exc:
+        raise PeerClosed(f"{where}: {exc}") from None
+    finally:
+        await stream.aclose()
