@@ -8,7 +8,8 @@ Hooks for disaggregation, used by the worker and transfer layers (never by the s
   `release` (the transfer of those blocks holds a lease on them);
 - `add_remote_request`: allocate blocks for a prompt whose KV will arrive from elsewhere; the
   request is not scheduled until `mark_remote_kv_ready`;
-- `kv_block_views`: the request's blocks as writable byte views of KV memory (no copy).
+- `kv_block_views`: the request's blocks as writable byte views of KV memory, one per block
+  (no copy).
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ class Engine:
         return self.scheduler.add_remote(request)
 
     def kv_block_views(self, request_id: str) -> list[memoryview]:
-        """The request's KV blocks as writable byte views (consecutive ids merged)."""
+        """The request's KV blocks as writable byte views, one per block (no copy)."""
         return self.kv_cache.block_views(self.block_manager.block_ids(request_id))
 
     def block_ids(self, request_id: str) -> list[int]:

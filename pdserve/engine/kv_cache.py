@@ -50,21 +50,11 @@ class KVCache:
         return num_layers * 2 * block_size * num_kv_heads * head_dim * itemsize
 
     def block_views(self, block_ids: list[int]) -> list[memoryview]:
-        """Writable byte views of the given blocks, merged where ids are consecutive."""
+        """One writable byte view per block, in the given order, sharing the cache's memory."""
         views: list[memoryview] = []
-        run_start = run_end = -1
         for block_id in block_ids:
             if not 0 <= block_id < self.num_blocks:
                 raise EngineError(f"block id {block_id} outside 0..{self.num_blocks - 1}")
-            if block_id == run_end:
-                run_end += 1
-                continue
-            if run_start >= 0:
-                views.append(self._view(run_start, run_end))
-            run_start, run_end = block_id, block_id + 1
-        if run_start >= 0:
-            views.append(self._view(run_start, run_end))
+            start = block_id * self.block_bytes
+            views.append(memoryview(self._bytes[start : start + self.block_bytes]))
         return views
-
-    def _view(self, start: int, end: int) -> memoryview:
-        return memoryview(self._bytes[start * self.block_bytes : end * self.block_bytes])

@@ -25,7 +25,7 @@ import os
 import secrets
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,7 +119,9 @@ class _NixlWriter:
         self._peer_inbox = peer_inbox
         self._peer_slot_bytes = peer_slot_bytes
 
-    async def write(self, slot: int, views: list[memoryview]) -> None:
+    async def write(
+        self, slot: int, views: list[memoryview], peer_gone: Callable[[], bool]
+    ) -> None:
         agent = self._endpoint.agent
         assert self._endpoint.peer_name is not None
         self._endpoint.active = True
@@ -139,9 +141,10 @@ class _NixlWriter:
                 "WRITE", local_descs, remote_descs, self._endpoint.peer_name
             )
             try:
-                await self._wait_done(handle, agent.transfer(handle))
+                await self._wait_done(handle, agent.transfer(handle), peer_gone)
             finally:
-                handle.release()
+                with contextlib.suppress(Exception):  # an aborted WRITE may refuse release
+                    handle.release()
         except TransferError:
             raise
         except Exception as exc:
@@ -150,11 +153,14 @@ class _NixlWriter:
             with contextlib.suppress(Exception):
                 agent.deregister_memory(reg)
 
-    async def _wait_done(self, handle: Any, state: str) -> None:
+    async def _wait_done(self, handle: Any, state: str, peer_gone: Callable[[], bool]) -> None:
         agent = self._endpoint.agent
         delay = 0.0
         try:
             while state == "PROC":
+                if peer_gone():
+                    # Nobody will complete it (the peer's worker may be the one to progress).
+                    raise PeerClosed(f"nixl write to {self._endpoint.peer_name}: peer closed")
                 await asyncio.sleep(delay)
                 delay = min(_MIN_POLL_S if delay == 0.0 else delay * 2, _MAX_POLL_S / 5)
                 state = agent.check_xfer_state(handle)

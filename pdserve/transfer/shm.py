@@ -23,6 +23,7 @@ import os
 import re
 import secrets
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.errors import BadMagic, ProtocolError, UnsupportedVersion
@@ -100,7 +101,9 @@ class _ShmWriter:
         self._view = memoryview(outbox.map)
         self._slot_bytes = slot_bytes
 
-    async def write(self, slot: int, views: list[memoryview]) -> None:
+    async def write(
+        self, slot: int, views: list[memoryview], peer_gone: Callable[[], bool]
+    ) -> None:
         offset = slot * self._slot_bytes
         for view in views:
             self._view[offset : offset + view.nbytes] = view

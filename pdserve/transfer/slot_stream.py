@@ -48,10 +48,13 @@ _CREDIT = 2
 class SlotWriter(Protocol):
     """Puts bytes into one slot of the peer's inbox."""
 
-    async def write(self, slot: int, views: list[memoryview]) -> None:
+    async def write(
+        self, slot: int, views: list[memoryview], peer_gone: Callable[[], bool]
+    ) -> None:
         """Copy `views` (together at most one slot) to the start of `slot`.
 
         On return, including by cancellation, no write into the slot may still be in flight.
+        A writer that waits polls `peer_gone` and raises `PeerClosed` once it is true.
         """
         ...
 
@@ -122,7 +125,7 @@ class SlotStream(ByteStream):
                 for chunk in _chunks(views, self._peer_slot_bytes):
                     slot = await self._acquire_slot()
                     try:
-                        await self._writer.write(slot, chunk)
+                        await self._writer.write(slot, chunk, self._peer_gone)
                     except BaseException:
                         self._free_slots.appendleft(slot)  # the peer never heard of it
                         raise
@@ -190,14 +193,17 @@ class SlotStream(ByteStream):
             self._on_close()
 
     async def _acquire_slot(self) -> int:
-        while not self._free_slots:
+        while True:
             self._send_state.check()
             if self._eof:
-                raise PeerClosed(f"{self._name}: peer closed while the sender waited for credit")
+                raise PeerClosed(f"{self._name}: peer closed its end")
+            if self._free_slots:
+                return self._free_slots.popleft()
             self._credit.clear()
             await self._credit.wait()
-        self._send_state.check()
-        return self._free_slots.popleft()
+
+    def _peer_gone(self) -> bool:
+        return self._eof or self._closed
 
     async def _wait_data(self) -> bool:
         """Wait until a slot has unread bytes (True) or the peer closed with none left (False)."""
