@@ -6,6 +6,8 @@ PY := .venv/bin/python
 	python3 -m venv .venv
 	# torch first and pinned, so nothing later can pull a different (CUDA) build.
 	$(PY) -m pip install -q torch==2.13.0
+	# NIXL (KV transport over UCX) without deps: plain `pip install nixl` pulls a CUDA torch.
+	$(PY) -m pip install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 

@@ -54,21 +54,29 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[CompletionOutput]:
         """Complete every prompt (text or token ids); outputs in prompt order."""
-        items: list[str] | list[Sequence[int]]
-        items = [prompts] if isinstance(prompts, str) else list(prompts)  # type: ignore[assignment]
+        items: list[str | Sequence[int]] = [prompts] if isinstance(prompts, str) else list(prompts)
         if params is None or isinstance(params, SamplingParams):
             per = [params or SamplingParams()] * len(items)
         else:
             per = list(params)
             if len(per) != len(items):
                 raise ConfigError(f"generate: {len(per)} SamplingParams for {len(items)} prompts")
+        token_lists = [
+            self.tokenizer.encode(item) if isinstance(item, str) else [int(t) for t in item]
+            for item in items
+        ]
         ids: list[str] = []
-        for item, p in zip(items, per, strict=True):
-            tokens = self.tokenizer.encode(item) if isinstance(item, str) else list(item)
-            request_id = f"llm-{self._counter}"
-            self._counter += 1
-            self.engine.add_request(request_id, tokens, p)
-            ids.append(request_id)
+        try:
+            for tokens, p in zip(token_lists, per, strict=True):
+                request_id = f"llm-{self._counter}"
+                self._counter += 1
+                self.engine.add_request(request_id, tokens, p)
+                ids.append(request_id)
+        except Exception:
+            # One bad prompt refuses the whole call and leaves nothing queued behind.
+            for request_id in ids:
+                self.engine.abort(request_id)
+            raise
         finished: dict[str, CompletionOutput] = {}
         requests = {rid: self.engine.get_request(rid) for rid in ids}
         while self.engine.has_unfinished():

@@ -40,6 +40,8 @@ class KVCache:
         )
         self._bytes = self.tensor.view(-1).view(torch.uint8).numpy()
         self.block_bytes = self._bytes.nbytes // num_blocks
+        # numpy arrays export the buffer protocol; the stubs do not say so.
+        self._view = memoryview(self._bytes)  # type: ignore[arg-type]
 
     @staticmethod
     def bytes_per_block(
@@ -56,5 +58,5 @@ class KVCache:
             if not 0 <= block_id < self.num_blocks:
                 raise EngineError(f"block id {block_id} outside 0..{self.num_blocks - 1}")
             start = block_id * self.block_bytes
-            views.append(memoryview(self._bytes[start : start + self.block_bytes]))
+            views.append(self._view[start : start + self.block_bytes])
         return views

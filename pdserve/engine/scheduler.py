@@ -160,7 +160,8 @@ class Scheduler:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            computed, num_cached = ([], 0)
+            computed: list[int] = []
+            num_cached = 0
             if request.num_computed_tokens == 0:
                 computed, num_cached = bm.get_computed_blocks(request.all_token_ids)
             num_new = self._chunk(request.num_tokens - num_cached, budget)

@@ -75,22 +75,11 @@ def _gather(
     return k, v
 
 
-def _repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
-    # [B, KVH, S, D] -> [B, H, S, D]; query head h reads kv head h // (H / KVH), as in HF.
-    # SDPA's own enable_gqa path is several times slower on CPU than this expand.
-    b, kvh, s, d = x.shape
-    if kvh == num_heads:
-        return x
-    rep = num_heads // kvh
-    return x[:, :, None].expand(b, kvh, rep, s, d).reshape(b, num_heads, s, d)
-
-
 def paged_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """Attention of queries q ([T, num_heads, head_dim]) over the cached K/V of their sequences."""
     out = torch.empty_like(q)
-    num_heads = q.shape[1]
     for span in meta.prefills:
         k, v = _gather(kv_cache, layer, span.block_table)
         k = k[: span.context_len].to(q.dtype)
@@ -100,13 +89,14 @@ def paged_attention(
         # Query i sits at absolute position past + i and sees keys 0..past + i.
         q_pos = torch.arange(span.query_len).unsqueeze(1) + past
         k_pos = torch.arange(span.context_len).unsqueeze(0)
-        mask = k_pos <= q_pos  # [query_len, context_len]
+        causal = k_pos <= q_pos  # [query_len, context_len]
         o = F.scaled_dot_product_attention(
             qs.transpose(0, 1).unsqueeze(0),  # [1, H, q, D]
-            _repeat_kv(k.transpose(0, 1).unsqueeze(0), num_heads),  # [1, H, ctx, D]
-            _repeat_kv(v.transpose(0, 1).unsqueeze(0), num_heads),
-            attn_mask=mask,
+            k.transpose(0, 1).unsqueeze(0),  # [1, KVH, ctx, D]
+            v.transpose(0, 1).unsqueeze(0),
+            attn_mask=causal,
             scale=scale,
+            enable_gqa=True,
         )
         out[span.query_start : span.query_start + span.query_len] = o[0].transpose(0, 1)
     if meta.decode_token_indices.numel():
@@ -122,10 +112,11 @@ def paged_attention(
             mask = (torch.arange(s).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
         o = F.scaled_dot_product_attention(
             qd.unsqueeze(2),  # [Bd, H, 1, D]
-            _repeat_kv(k.transpose(1, 2), num_heads),  # [Bd, H, S, D]
-            _repeat_kv(v.transpose(1, 2), num_heads),
+            k.transpose(1, 2),  # [Bd, KVH, S, D]
+            v.transpose(1, 2),
             attn_mask=mask,
             scale=scale,
+            enable_gqa=True,
         )
         out[meta.decode_token_indices] = o.squeeze(2)
     return out

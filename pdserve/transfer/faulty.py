@@ -176,4 +176,3 @@ def _prefix(views: list[memoryview], num_bytes: int) -> list[memoryview]:
         out.append(view[:num_bytes])
         num_bytes -= view.nbytes
     return out
-

@@ -7,9 +7,12 @@ registers the caller's views for the duration of a slot write, issues one NIXL W
 announces the slot with a DATA frame; the receiver copies the slot into the caller's view and
 returns the credit (`slot_stream` holds that protocol).
 
-Progress: the UCX progress thread busy-polls a core, so it is off; each end drives its worker
-instead from a polling task whose period backs off from 0.1 ms while the stream is active to
-5 ms when idle (some UCX paths need the target to progress, e.g. agents in one process).
+Progress: on a host without RDMA, UCX runs NIXL's RMA as active messages over TCP loopback with
+a cma rendezvous, so the *target* copies the bytes while it drives its worker. The UCX progress
+thread would spin a core per agent, so it is off; instead the sender announces each slot write
+with a WRITING frame, and the receiver's progress task spins (yielding to the loop) only while
+announced writes are outstanding, capped at `_FAST_WINDOW_S` per announcement, and otherwise
+wakes every `_IDLE_POLL_S` for UCX housekeeping. The sender spins likewise on its completion.
 
 `nixl` is imported lazily: `nixl_available()` says whether this build can use it.
 This module knows agents, registrations and the handshake, not the KV codec or sessions.
@@ -25,7 +28,7 @@ import os
 import secrets
 import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,16 +36,18 @@ import numpy as np
 
 from pdserve.errors import BadMagic, PeerClosed, ProtocolError, TransferError, UnsupportedVersion
 from pdserve.transfer.slot_stream import SlotStream
-from pdserve.transfer.stream import DEFAULT_RECEIVE_BYTES, Address, Buffer, ByteStream
-from pdserve.transfer.stream import StreamHandler
+from pdserve.transfer.stream import Address, ByteStream, StreamHandler
 from pdserve.transfer.tcp import TcpServer, open_tcp_stream, serve_tcp
 
 _HELLO = struct.Struct("<4sHHIQQI")  # magic, version, 0, num_slots, slot_bytes, address, md len
 _MAGIC = b"PDNX"
 _VERSION = 1
 _ATTACHED = b"A"
-_MIN_POLL_S = 1e-4
-_MAX_POLL_S = 5e-3
+# Python's epoll rounds sleeps up to 1 ms, so short waits spin on sleep(0) instead.
+_SPIN_S = 5e-3
+_SLOW_POLL_S = 1e-3
+_IDLE_POLL_S = 0.05
+_FAST_WINDOW_S = 1.0
 # How long a cancelled send waits for an in-flight WRITE to finish before giving up on it.
 _DRAIN_S = 2.0
 
@@ -97,11 +102,24 @@ class _Endpoint:
             [(int(self.inbox.ctypes.data), self.inbox.nbytes, 0, "")], "DRAM"
         )
         self.peer_name: str | None = None
-        self.active = True  # set by any control traffic; read by the progress task
+        # Writes the peer announced (WRITING) and not yet completed (DATA), for the poller.
+        self.num_peer_writes = 0
+        self.fast_until = 0.0
+        self.wake = asyncio.Event()
+
+    def peer_writing(self, started: bool) -> None:
+        """Count the peer's announced writes; wake the progress task on a new one."""
+        if started:
+            self.num_peer_writes += 1
+            self.fast_until = time.monotonic() + _FAST_WINDOW_S
+            self.wake.set()
+        else:
+            self.num_peer_writes = max(0, self.num_peer_writes - 1)
 
     def progress(self) -> None:
         """Drive the UCX worker once (we use no notifications; this is what polls it)."""
-        self.agent.get_new_notifs()
+        with contextlib.suppress(Exception):  # a torn-down agent: the stream is closing
+            self.agent.get_new_notifs()
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -124,7 +142,6 @@ class _NixlWriter:
     ) -> None:
         agent = self._endpoint.agent
         assert self._endpoint.peer_name is not None
-        self._endpoint.active = True
         spans = [(_address(v), v.nbytes) for v in views]
         try:
             reg = agent.register_memory([(a, n, 0, "") for a, n in spans], "DRAM")
@@ -155,21 +172,20 @@ class _NixlWriter:
 
     async def _wait_done(self, handle: Any, state: str, peer_gone: Callable[[], bool]) -> None:
         agent = self._endpoint.agent
-        delay = 0.0
+        spin_until = time.monotonic() + _SPIN_S
         try:
             while state == "PROC":
                 if peer_gone():
                     # Nobody will complete it (the peer's worker may be the one to progress).
                     raise PeerClosed(f"nixl write to {self._endpoint.peer_name}: peer closed")
-                await asyncio.sleep(delay)
-                delay = min(_MIN_POLL_S if delay == 0.0 else delay * 2, _MAX_POLL_S / 5)
+                await asyncio.sleep(0 if time.monotonic() < spin_until else _SLOW_POLL_S)
                 state = agent.check_xfer_state(handle)
         except asyncio.CancelledError:
-            # The WRITE reads the caller's memory: it must be over before the caller regains it.
+            # The WRITE reads the caller's memory: it must be over before the caller regains
+            # it, so wait (bounded, still yielding: the target may be in this event loop).
             deadline = time.monotonic() + _DRAIN_S
-            while state == "PROC" and time.monotonic() < deadline:
-                time.sleep(_MIN_POLL_S)
-                self._endpoint.progress()
+            while state == "PROC" and not peer_gone() and time.monotonic() < deadline:
+                await asyncio.sleep(_SLOW_POLL_S)
                 state = agent.check_xfer_state(handle)
             raise
         if state != "DONE":
@@ -179,39 +195,18 @@ class _NixlWriter:
         pass
 
 
-class _ActivityStream(ByteStream):
-    """The control stream, marking the endpoint active on every frame either way."""
-
-    def __init__(self, inner: ByteStream, endpoint: _Endpoint) -> None:
-        self._inner = inner
-        self._endpoint = endpoint
-
-    async def send(self, buffers: Sequence[Buffer]) -> None:
-        self._endpoint.active = True
-        await self._inner.send(buffers)
-
-    async def receive_into(self, view: memoryview) -> None:
-        await self._inner.receive_into(view)
-        self._endpoint.active = True
-
-    async def receive_some(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
-        data = await self._inner.receive_some(max_bytes)
-        self._endpoint.active = True
-        return data
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
-
-
 async def _progress_loop(endpoint: _Endpoint) -> None:
-    delay = _MIN_POLL_S
+    """Drive the worker: spin while the peer announced writes, else wake every idle period."""
     while True:
-        await asyncio.sleep(delay)
+        if endpoint.num_peer_writes and time.monotonic() < endpoint.fast_until:
+            endpoint.progress()
+            await asyncio.sleep(0)
+            continue
+        endpoint.wake.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_IDLE_POLL_S):
+                await endpoint.wake.wait()
         endpoint.progress()
-        if endpoint.active:
-            endpoint.active, delay = False, _MIN_POLL_S
-        else:
-            delay = min(delay * 2, _MAX_POLL_S)
 
 
 async def connect_nixl(control: ByteStream, config: NixlConfig | None = None) -> SlotStream:
@@ -261,14 +256,15 @@ async def connect_nixl(control: ByteStream, config: NixlConfig | None = None) ->
         endpoint.close()
 
     return SlotStream(
-        _ActivityStream(control, endpoint),
-        inbox=memoryview(endpoint.inbox),
+        control,
+        inbox=endpoint.inbox.data,
         inbox_slot_bytes=config.slot_bytes,
         writer=_NixlWriter(endpoint, peer_inbox, peer_slot_bytes),
         peer_num_slots=peer_num_slots,
         peer_slot_bytes=peer_slot_bytes,
         on_close=on_close,
         name=f"nixl {endpoint.name}",
+        on_peer_writing=endpoint.peer_writing,
     )
 
 

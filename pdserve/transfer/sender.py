@@ -87,7 +87,9 @@ async def _reply(stream: ByteStream, session: SenderSession, timeout_s: float) -
 
 def _expect(action: SenderAction, want: SenderAction, session: SenderSession) -> None:
     if action is not want:
-        raise ProtocolError(f"sender {session.transfer_id.hex()}: got {action.name}, want {want.name}")
+        raise ProtocolError(
+            f"sender {session.transfer_id.hex()}: got {action.name}, want {want.name}"
+        )
 
 
 async def send_attempt(
@@ -99,8 +101,13 @@ async def send_attempt(
         await write_frame(stream, session.send_hello())
     _expect(await _reply(stream, session, t), SenderAction.SEND_BEGIN, session)
     begin = Begin(
-        transfer.transfer_id, transfer.request_id, transfer.snapshot_version, transfer.layout,
-        transfer.num_tokens, transfer.token_digest, transfer.capability_token,
+        transfer.transfer_id,
+        transfer.request_id,
+        transfer.snapshot_version,
+        transfer.layout,
+        transfer.num_tokens,
+        transfer.token_digest,
+        transfer.capability_token,
     )
     async with asyncio.timeout(t):
         await write_frame(stream, session.send_begin(begin))

@@ -87,10 +87,9 @@ class _Segment:
 
     def close(self) -> None:
         self.unlink()
-        try:
+        # A view still alive somewhere keeps the mapping until it goes.
+        with contextlib.suppress(BufferError):
             self.map.close()
-        except BufferError:
-            pass  # a view is still alive somewhere; the mapping goes when it does
 
 
 class _ShmWriter:
@@ -195,7 +194,6 @@ def leaked_segments() -> list[str]:
     with contextlib.suppress(FileNotFoundError):
         return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(SEGMENT_PREFIX))
     return []
-
 
 
 ShmStream = SlotStream

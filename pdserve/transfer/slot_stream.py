@@ -5,8 +5,10 @@ the peer's inbox (a memcpy into a mapped segment, or a NIXL WRITE): that is the 
 
 Protocol on the control stream (a TCP connection), one 12-byte frame per message:
 
-    DATA(slot, num_bytes)  sender → receiver: slot `slot` of your inbox holds the next bytes
-    CREDIT(slot)           receiver → sender: slot `slot` is free again
+    DATA(slot, num_bytes)     sender → receiver: slot `slot` of your inbox holds the next bytes
+    CREDIT(slot)              receiver → sender: slot `slot` is free again
+    WRITING(slot, num_bytes)  sender → receiver, optional: a write into `slot` starts now (for
+                              transports whose writes need the receiver to drive progress)
 
 Credit-based flow control: a sender owns the slots it holds credit for (all of them at the
 start) and writes only into those; the receiver copies each slot out into the caller's view and
@@ -43,6 +45,7 @@ from pdserve.transfer.stream import (
 _FRAME = struct.Struct("<BxxxII")  # kind, slot index, num_bytes
 _DATA = 1
 _CREDIT = 2
+_WRITING = 3
 
 
 class SlotWriter(Protocol):
@@ -93,7 +96,11 @@ class SlotStream(ByteStream):
         peer_slot_bytes: int,
         on_close: Callable[[], None],
         name: str,
+        on_peer_writing: Callable[[bool], None] | None = None,
     ) -> None:
+        """`on_peer_writing(True)` runs on each WRITING frame, `(False)` on each DATA frame;
+        passing it also makes this end announce its own writes (both ends pass it or neither).
+        """
         self._control = control
         self._inbox = inbox
         self._slot_bytes = inbox_slot_bytes
@@ -102,6 +109,7 @@ class SlotStream(ByteStream):
         self._peer_slot_bytes = peer_slot_bytes
         self._on_close = on_close
         self._name = name
+        self._on_peer_writing = on_peer_writing
         self._free_slots: deque[int] = deque(range(peer_num_slots))
         self._pending: deque[tuple[int, int]] = deque()  # (slot, num_bytes) announced by DATA
         self._current: list[int] | None = None  # [slot, read offset, num_bytes]
@@ -124,12 +132,14 @@ class SlotStream(ByteStream):
             try:
                 for chunk in _chunks(views, self._peer_slot_bytes):
                     slot = await self._acquire_slot()
+                    num_bytes = sum(v.nbytes for v in chunk)
                     try:
+                        if self._on_peer_writing is not None:
+                            await self._send_frame(_WRITING, slot, num_bytes)
                         await self._writer.write(slot, chunk, self._peer_gone)
                     except BaseException:
                         self._free_slots.appendleft(slot)  # the peer never heard of it
                         raise
-                    num_bytes = sum(v.nbytes for v in chunk)
                     num_announced += num_bytes
                     await self._send_frame(_DATA, slot, num_bytes)
             except asyncio.CancelledError:
@@ -248,9 +258,15 @@ class SlotStream(ByteStream):
             while True:
                 await self._control.receive_into(memoryview(frame))
                 kind, slot, num_bytes = _FRAME.unpack(frame)
-                if kind == _DATA and slot < self._num_slots and num_bytes <= self._slot_bytes:
+                valid = slot < self._num_slots and num_bytes <= self._slot_bytes
+                if kind == _DATA and valid:
                     self._pending.append((slot, num_bytes))
                     self._data.set()
+                    if self._on_peer_writing is not None:
+                        self._on_peer_writing(False)
+                elif kind == _WRITING and valid:
+                    if self._on_peer_writing is not None:
+                        self._on_peer_writing(True)
                 elif kind == _CREDIT and slot not in self._free_slots:
                     self._free_slots.append(slot)
                     self._credit.set()

@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 # Linux caps one sendmsg at IOV_MAX (1024) iovecs.
 _IOV_MAX = 1024
+_MAX_RECEIVE_SOME = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +68,8 @@ class TcpStream(ByteStream):
         self._sock = sock
         self._fd = sock.fileno()
         try:
-            self._peer = "%s:%s" % sock.getpeername()[:2]
+            host, port = sock.getpeername()[:2]
+            self._peer = f"{host}:{port}"
         except OSError:
             self._peer = "unconnected"
         self._send_lock = asyncio.Lock()
@@ -132,7 +134,8 @@ class TcpStream(ByteStream):
             self._receive_state.check()
             while True:
                 try:
-                    return self._sock.recv(max_bytes)
+                    # recv(n) allocates n bytes up front, so a huge bound is capped.
+                    return self._sock.recv(min(max_bytes, _MAX_RECEIVE_SOME))
                 except (BlockingIOError, InterruptedError):
                     await self._wait_io(for_write=False)
                 except OSError as exc:

@@ -13,7 +13,11 @@ def pdserve(args: list[str], cache: Path, timeout: float = 240) -> subprocess.Co
     env = {**os.environ, "PDSERVE_CACHE": str(cache)}
     return subprocess.run(
         [sys.executable, "-m", "pdserve", *args],
-        capture_output=True, text=True, timeout=timeout, env=env, check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
     )
 
 

@@ -51,7 +51,9 @@ async def disaggregated(
 
     Returns (tokens, attempts, bytes sent, prompt tokens already cached on the decode side).
     """
-    first = prefill.add_request("r", prompt, dataclasses.replace(PARAMS, max_tokens=1), hold_kv=True)
+    first = prefill.add_request(
+        "r", prompt, dataclasses.replace(PARAMS, max_tokens=1), hold_kv=True
+    )
     drain(prefill)
     num_cached = decode.add_remote_request("r", prompt, first.output_token_ids[0], PARAMS)
     bs = decode.config.block_size
@@ -79,9 +81,15 @@ async def disaggregated(
     try:
         session = SenderSession(tid, dataclasses.asdict(prefill.model.fingerprint))
         outgoing = OutgoingTransfer(tid, "r", 1, layout, len(prompt), digest, token, src)
-        policy = SendPolicy(chunk_blocks=2, chunk_timeout_s=2.0, backoff=BackoffPolicy(0.001, 0.01, 3))
+        policy = SendPolicy(
+            chunk_blocks=2, chunk_timeout_s=2.0, backoff=BackoffPolicy(0.001, 0.01, 3)
+        )
         report = await send_with_retries(
-            connect, session, outgoing, policy, deadline=asyncio.get_running_loop().time() + 1e6,
+            connect,
+            session,
+            outgoing,
+            policy,
+            deadline=asyncio.get_running_loop().time() + 1e6,
             rng=random.Random(0),
         )
     finally:
@@ -148,9 +156,13 @@ def test_int8_decode_worker_is_refused_naming_quantization(model: LoadedModel) -
     prompt = prompt_of(model, 20, 4)
     prefill = make_engine(model)
     int8 = load_model(str(model.path), quantization="int8")
-    decode = Engine(int8, EngineConfig(model=ModelLoadConfig(path=str(model.path), quantization="int8")))
+    decode = Engine(
+        int8, EngineConfig(model=ModelLoadConfig(path=str(model.path), quantization="int8"))
+    )
     with pytest.raises(TransferRefused, match="quantization") as info:
         asyncio.run(disaggregated(prefill, decode, prompt, []))
     # Weights are digested as stored, so quantization is the only differing field.
-    assert "fingerprint mismatch on quantization: 'int8' != 'none'" in str(info.value)  # receiver's first
+    assert "fingerprint mismatch on quantization: 'int8' != 'none'" in str(
+        info.value
+    )  # receiver's first
     assert not info.value.retryable

@@ -7,12 +7,12 @@ import random
 from pathlib import Path
 
 import pytest
-from pdserve.model.loader import LoadedModel, load_model
 
 from pdserve.config import EngineConfig, ModelLoadConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import ConfigError, PromptTooLong
+from pdserve.model.loader import LoadedModel, load_model
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,9 @@ def test_same_seed_same_schedule_and_jitter_varies() -> None:
 
 
 def test_no_retry_is_planned_past_the_deadline() -> None:
-    b = Backoff(BackoffPolicy(base_s=10.0, cap_s=10.0, max_retries=100), random.Random(1), deadline=5.0)
+    b = Backoff(
+        BackoffPolicy(base_s=10.0, cap_s=10.0, max_retries=100), random.Random(1), deadline=5.0
+    )
     now = 0.0
     while (d := b.next_delay(now)) is not None:
         now += d

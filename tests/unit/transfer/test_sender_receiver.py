@@ -75,7 +75,9 @@ def make_pair(receiver_fp: dict[str, object] = FP, token: bytes = b"t" * 16) -> 
 async def send(pair: Pair, **kw: object) -> object:
     session = SenderSession(pair.transfer.transfer_id, FP)
     try:
-        return await send_with_retries(pair.connect, session, pair.transfer, FAST, deadline=1e12, **kw)  # type: ignore[arg-type]
+        return await send_with_retries(
+            pair.connect, session, pair.transfer, FAST, deadline=1e12, **kw
+        )  # type: ignore[arg-type]
     finally:
         for t in pair.tasks:
             t.cancel()
