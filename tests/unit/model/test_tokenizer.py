@@ -135,7 +135,12 @@ def test_incremental_never_emits_replacement_for_valid_text(
 ) -> None:
     ids = tokenizer.encode(text, add_special_tokens=False)
     deltas = _stream(tokenizer, ids)
-    assert "".join(deltas) == text
+    # Special-token text such as "<s>" inside the input is parsed as that token (as in HF
+    # tokenizers) and skipped on decode, so compare against the text without it.
+    expected = text
+    for special in ("<s>", "</s>"):
+        expected = expected.replace(special, "")
+    assert "".join(deltas) == expected
     if "\ufffd" not in text:
         assert not any("\ufffd" in d for d in deltas)
 
