@@ -97,8 +97,10 @@ class ModelConfig:
 def load_config(folder: str | Path) -> ModelConfig:
     """Parse and validate `config.json` (and `generation_config.json` if present) in `folder`."""
     folder = Path(folder)
-    raw = _read_json(folder / CONFIG_FILE, "model config", required=True)
-    generation = _read_json(folder / GENERATION_CONFIG_FILE, "generation config", required=False)
+    raw = read_json_object(folder / CONFIG_FILE, "model config", required=True)
+    generation = read_json_object(
+        folder / GENERATION_CONFIG_FILE, "generation config", required=False
+    )
     return parse_config(raw, generation)
 
 
@@ -153,7 +155,8 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) 
     )
 
 
-def _read_json(path: Path, what: str, required: bool) -> dict[str, Any]:
+def read_json_object(path: Path, what: str, required: bool) -> dict[str, Any]:
+    """A model-folder JSON file as a dict; {} when absent and optional, typed errors otherwise."""
     if not path.is_file():
         if required:
             raise ModelFileMissing(str(path), what)

@@ -26,6 +26,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from pdserve.errors import ModelConfigError, ModelFileMissing
+from pdserve.model.config import read_json_object
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -49,7 +50,9 @@ class Tokenizer:
             raise ModelConfigError(
                 TOKENIZER_FILE, "<file>", f"not a valid tokenizer: {exc}"
             ) from exc
-        config = _read_config(folder / TOKENIZER_CONFIG_FILE)
+        config = read_json_object(
+            folder / TOKENIZER_CONFIG_FILE, "tokenizer config", required=False
+        )
         template_path = folder / CHAT_TEMPLATE_FILE
         template_text = template_path.read_text("utf-8") if template_path.is_file() else None
         self.chat_template = _chat_template(config) or template_text
@@ -166,18 +169,6 @@ class IncrementalDetokenizer:
         text = self._window(len(self.token_ids))
         self._prefix_offset = self._read_offset = len(self.token_ids)
         return text[len(emitted) :]
-
-
-def _read_config(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelConfigError(path.name, "<file>", f"not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ModelConfigError(path.name, "<file>", "top level is not a JSON object")
-    return data
 
 
 def _token_text(config: dict[str, Any], field: str) -> str | None:
