@@ -132,20 +132,14 @@ class Engine:
         return request
 
     def add_remote_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        first_token_id: int,
-        params: SamplingParams,
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> int:
-        """Allocate blocks for a prompt whose KV arrives from elsewhere.
+        """Reserve blocks for a prompt whose KV arrives from elsewhere (before any prefill).
 
-        `first_token_id` is the token the prefill engine sampled. Returns how many leading
-        prompt tokens are already cached here (their KV need not travel).
+        Returns how many leading prompt tokens are already cached here: their KV need not
+        travel. The request is not scheduled until `mark_remote_kv_ready`.
         """
         request = self._new_request(request_id, prompt_token_ids, params)
-        request.output_token_ids.append(first_token_id)
-        request.first_token_ns = self.clock.now_ns()
         return self.scheduler.add_remote(request)
 
     def kv_block_views(self, request_id: str) -> list[memoryview]:
@@ -156,9 +150,18 @@ class Engine:
         """The request's block table."""
         return list(self.block_manager.block_ids(request_id))
 
-    def mark_remote_kv_ready(self, request_id: str) -> None:
-        """The remote KV was verified (checksums, commit, fingerprint): schedule the request."""
-        self.scheduler.mark_remote_kv_ready(request_id)
+    def mark_remote_kv_ready(self, request_id: str, first_token_id: int) -> None:
+        """The remote KV was verified (checksums, commit, fingerprint): schedule the request.
+
+        `first_token_id` is the token the prefill engine sampled; decoding continues after it.
+        """
+        vocab = self.model.config.vocab_size
+        if not 0 <= first_token_id < vocab:
+            raise ConfigError(
+                f"request {request_id}: first token {first_token_id} outside 0..{vocab - 1}"
+            )
+        self.scheduler.mark_remote_kv_ready(request_id, first_token_id)
+        self.get_request(request_id).first_token_ns = self.clock.now_ns()
 
     def abort(self, request_id: str) -> None:
         """Stop the request and free every block it holds."""

@@ -82,10 +82,12 @@ class Scheduler:
         self._check_fits(request)
         bm = self.block_manager
         computed, num_cached = bm.get_computed_blocks(request.prompt_token_ids)
-        # One slot beyond the prompt: the first decode step writes the first token's KV.
-        if not bm.allocate_slots(request.request_id, request.num_tokens + 1, computed):
+        # One slot beyond the prompt: the first decode step writes the first token's KV, so
+        # that step never waits for a block (reserve before release).
+        if not bm.allocate_slots(request.request_id, request.num_prompt_tokens + 1, computed):
             raise PromptTooLong(
-                f"request {request.request_id}: {bm.num_blocks_needed(request.num_tokens + 1)}"
+                f"request {request.request_id}: "
+                f"{bm.num_blocks_needed(request.num_prompt_tokens + 1)}"
                 f" blocks needed for remote KV, {bm.num_free_blocks} free"
             )
         self._register(request)
@@ -94,11 +96,13 @@ class Scheduler:
         self.remote[request.request_id] = request
         return num_cached
 
-    def mark_remote_kv_ready(self, request_id: str) -> None:
-        """The request's prompt KV is verified; it becomes a running decode request."""
+    def mark_remote_kv_ready(self, request_id: str, first_token_id: int) -> None:
+        """The request's prompt KV is verified; with the first token sampled by the prefill
+        engine it becomes a running decode request."""
         request = self.remote.pop(request_id, None)
         if request is None:
             raise KVNotReady(f"request {request_id}: no remote KV allocation to mark ready")
+        request.output_token_ids.append(first_token_id)
         request.num_computed_tokens = request.num_prompt_tokens
         request.status = RequestStatus.RUNNING
         self.block_manager.cache_blocks(

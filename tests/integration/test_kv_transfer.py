@@ -55,7 +55,7 @@ async def disaggregated(
         "r", prompt, dataclasses.replace(PARAMS, max_tokens=1), hold_kv=True
     )
     drain(prefill)
-    num_cached = decode.add_remote_request("r", prompt, first.output_token_ids[0], PARAMS)
+    num_cached = decode.add_remote_request("r", prompt, PARAMS)
     bs = decode.config.block_size
     skip = num_cached // bs  # blocks the decode side already has: they do not travel
     src = prefill.kv_block_views("r")[skip:]
@@ -69,7 +69,7 @@ async def disaggregated(
         IncomingTransfer(
             ReceivePlan(tid, token, layout, "r", len(prompt), digest),
             dst,
-            lambda: decode.mark_remote_kv_ready("r"),
+            lambda: decode.mark_remote_kv_ready("r", first.output_token_ids[0]),
         )
     )
     server = await serve_tcp(receiver.handle)

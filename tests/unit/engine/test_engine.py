@@ -170,7 +170,7 @@ def test_held_kv_moved_into_a_remote_allocation_decodes_like_colocated(model: Lo
 
     decode = engine(model)
     run(decode, prompts(model, [33], seed=6), [GREEDY])  # make its free list differ
-    assert decode.add_remote_request("x", p, first, params) == 0
+    assert decode.add_remote_request("x", p, params) == 0
     assert not decode.has_work()
     src = b"".join(bytes(v) for v in prefill.kv_block_views("x"))
     dst = decode.kv_block_views("x")
@@ -182,7 +182,7 @@ def test_held_kv_moved_into_a_remote_allocation_decodes_like_colocated(model: Lo
     assert offset == len(src)
     assert prefill.release("x") == 3
     assert_idle(prefill)
-    decode.mark_remote_kv_ready("x")
+    decode.mark_remote_kv_ready("x", first)
     r = decode.get_request("x")
     while decode.has_unfinished():
         decode.step()

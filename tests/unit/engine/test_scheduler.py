@@ -126,16 +126,15 @@ def test_prefix_cache_hit_skips_cached_tokens() -> None:
 def test_remote_kv_request_is_not_scheduled_until_ready() -> None:
     s = sched(block_size=4)
     r = make("r", 9, max_tokens=3)
-    r.output_token_ids.append(7)  # the first token, sampled by the prefill engine
     assert s.add_remote(r) == 0
     assert s.block_manager.block_ids("r") == [0, 1, 2]
     assert s.num_held_blocks == 3
     assert s.schedule().scheduled == []
-    s.mark_remote_kv_ready("r")
+    s.mark_remote_kv_ready("r", 7)  # the first token, sampled by the prefill engine
     out = s.schedule()
     assert plan(out) == [("r", 1, True)]
     with pytest.raises(KVNotReady):
-        s.mark_remote_kv_ready("r")
+        s.mark_remote_kv_ready("r", 7)
     while s.num_unfinished:
         finish_step(s, s.schedule())
     assert r.output_token_ids == [7, 1001, 1002]
@@ -147,7 +146,6 @@ def test_remote_request_reports_locally_cached_prefix() -> None:
     s.add(make("a", 9, max_tokens=1))
     finish_step(s, s.schedule())
     r = make("r", 12, max_tokens=2)
-    r.output_token_ids.append(5)
     assert s.add_remote(r) == 8
 
 
@@ -175,9 +173,7 @@ def test_abort_in_every_queue_frees_blocks() -> None:
     s = sched(block_size=4, max_num_seqs=1)
     s.add(make("run", 5, max_tokens=8))
     s.add(make("wait", 5, max_tokens=8))
-    r = make("remote", 5)
-    r.output_token_ids.append(1)
-    s.add_remote(r)
+    s.add_remote(make("remote", 5))
     s.schedule()
     for rid in ("run", "wait", "remote"):
         s.abort(rid)
