@@ -1,7 +1,8 @@
 """The `pdserve` command line: parses flags once into typed config and hands each part its own.
 
-Commands: `generate` (one completion on the local engine) and `bench engine` (engine throughput
-against transformers). A bad flag or config value exits with status 2 and one line naming it.
+Commands: `generate` (one completion on the local engine), `up` (router and workers on
+loopback), `worker` and `router` (one process each), `bench engine` (engine throughput against
+transformers). A bad flag or config value exits with status 2 and one line naming it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,23 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _non_negative_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port 0..65535, got {value}")
     return value
 
 
@@ -46,6 +64,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+    u = sub.add_parser("up", help="start a router and workers on loopback; Ctrl-C stops all")
+    u.add_argument("--prefill", type=_non_negative_int, default=1, help="prefill workers")
+    u.add_argument("--decode", type=_positive_int, default=1, help="decode workers (role both)")
+    u.add_argument("--mode", choices=["disagg", "colocated"], default="disagg")
+    u.add_argument(
+        "--model", default=None, help="Hugging Face model folder (default: tiny built-in)"
+    )
+    u.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    u.add_argument("--block-size", type=_positive_int, default=16)
+    u.add_argument("--host", default="127.0.0.1")
+    u.add_argument("--port", type=_port, default=8000)
+    u.add_argument("--api-key", default=None)
+
+    st = sub.add_parser("status", help="router, mode and workers of a running cluster")
+    st.add_argument("--url", default=None, help="router URL (default: the running `pdserve up`)")
+    st.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    for name, what in (
+        ("worker", "one worker process"),
+        ("router", "the OpenAI-compatible router"),
+    ):
+        w = sub.add_parser(name, help=f"run {what} (flags: pdserve {name} -- --help)")
+        w.add_argument("args", nargs=argparse.REMAINDER)
 
     b = sub.add_parser("bench", help="benchmarks that print a table and ratios")
     bsub = b.add_subparsers(dest="bench", required=True)
@@ -82,6 +124,43 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return run_engine_bench(args)
 
 
+def _cmd_up(args: argparse.Namespace) -> int:
+    from pdserve.launcher import UpConfig, run_up
+
+    config = UpConfig(
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        mode=args.mode,
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        api_key=args.api_key,
+    )
+    return run_up(config)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from pdserve.status import collect_status, find_router_url, render_json, render_table
+
+    status = collect_status(find_router_url(args.url))
+    print(render_json(status) if args.json else render_table(status))
+    return 0
+
+
+def _cmd_process(args: argparse.Namespace) -> int:
+    # argparse keeps a leading "--" in REMAINDER; the process's own parser must not see it.
+    passthrough = args.args[1:] if args.args[:1] == ["--"] else args.args
+    if args.command == "worker":
+        from pdserve.worker.main import main as worker_main
+
+        return worker_main(passthrough)
+    from pdserve.router.main import main as router_main
+
+    return router_main(passthrough)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `pdserve` script."""
     args = build_parser().parse_args(argv)
@@ -90,6 +169,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_generate(args)
         if args.command == "bench":
             return _cmd_bench(args)
+        if args.command == "up":
+            return _cmd_up(args)
+        if args.command == "status":
+            return _cmd_status(args)
+        if args.command in ("worker", "router"):
+            return _cmd_process(args)
     except PdserveError as exc:
         print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,222 @@
+"""`pdserve up`: a router and its workers as child processes on loopback, started and stopped
+as one unit.
+
+Life cycle: start every worker (port 0, each reports its real URL through a ready file), wait
+until each answers /health, start the router with their URLs, wait for it, print the URL and a
+curl line, then wait for Ctrl-C / SIGTERM or for a child to die. Stopping sends SIGTERM to every
+child by PID, waits, and SIGKILLs what is left, so no process and no port outlives `up`.
+
+Decode workers run with role `both`: they take transferred KV in disaggregated mode and whole
+requests in colocated mode, which is what makes the rollback switch (`POST /admin/mode`) work
+without restarting anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from urllib.request import urlopen
+
+from pdserve.errors import ConfigError, PdserveError
+
+
+class LaunchError(PdserveError):
+    """A child process failed to start or to become healthy."""
+
+
+@dataclass(frozen=True, slots=True)
+class UpConfig:
+    """What `pdserve up` starts."""
+
+    num_prefill: int = 1
+    num_decode: int = 1
+    mode: str = "disagg"
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    dtype: str = "float32"
+    block_size: int = 16
+    api_key: str | None = None
+    startup_timeout_s: float = 180.0
+    # Where the running cluster is described for `pdserve status`.
+    state_file: Path = field(default_factory=lambda: default_state_file())
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("disagg", "colocated"):
+            raise ConfigError(f"mode: {self.mode!r} is not one of disagg, colocated")
+        if self.num_decode < 1:
+            raise ConfigError(
+                f"decode: at least one decode worker is needed, got {self.num_decode}"
+            )
+        if self.num_prefill < 0 or (self.mode == "disagg" and self.num_prefill < 1):
+            raise ConfigError(
+                f"prefill: disagg mode needs >= 1 prefill worker, got {self.num_prefill}"
+            )
+
+
+def default_state_file() -> Path:
+    """The file `pdserve up` writes and `pdserve status` reads."""
+    base = os.environ.get("PDSERVE_CACHE") or str(Path.home() / ".cache" / "pdserve")
+    return Path(base) / "up.json"
+
+
+@dataclass(slots=True)
+class Child:
+    """One started process and where it listens."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    ready_file: Path
+    url: str | None = None
+
+
+def _spawn(name: str, args: list[str], workdir: Path) -> Child:
+    ready = workdir / f"{name}.ready.json"
+    log = open(workdir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the child's lifetime
+    proc = subprocess.Popen(
+        [sys.executable, "-m", *args, "--ready-file", str(ready)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        # Own session: a terminal Ctrl-C reaches only `up`, which stops children in order.
+        start_new_session=True,
+    )
+    return Child(name, proc, ready)
+
+
+def _wait_ready(child: Child, deadline: float) -> str:
+    while time.monotonic() < deadline:
+        if child.proc.poll() is not None:
+            raise LaunchError(
+                f"{child.name} (pid {child.proc.pid}) exited with {child.proc.returncode} "
+                f"before it was ready; see {child.ready_file.parent / (child.name + '.log')}"
+            )
+        if child.ready_file.exists():
+            url = str(json.loads(child.ready_file.read_text())["url"])
+            try:
+                with urlopen(f"{url}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return url
+            except OSError:
+                pass
+        time.sleep(0.1)
+    raise LaunchError(f"{child.name} (pid {child.proc.pid}) not healthy in time")
+
+
+def stop_children(children: list[Child], grace_s: float = 10.0) -> None:
+    """SIGTERM every child by PID, wait up to `grace_s`, SIGKILL the rest."""
+    for child in children:
+        if child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for child in children:
+        try:
+            child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.proc.kill()
+            child.proc.wait()
+
+
+class Cluster:
+    """The processes of one `pdserve up`."""
+
+    def __init__(self, config: UpConfig) -> None:
+        self.config = config
+        self.children: list[Child] = []
+        self.workdir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
+        self.router_url: str | None = None
+
+    def _worker_args(self, role: str, name: str) -> list[str]:
+        c = self.config
+        args = ["pdserve.worker.main", "--role", role, "--host", c.host, "--port", "0"]
+        args += ["--worker-id", name, "--dtype", c.dtype, "--block-size", str(c.block_size)]
+        return args + (["--model", c.model] if c.model else [])
+
+    def start(self) -> str:
+        """Start workers then the router; returns the router URL."""
+        c = self.config
+        deadline = time.monotonic() + c.startup_timeout_s
+        names = [(f"prefill-{i}", "prefill") for i in range(c.num_prefill)]
+        names += [(f"decode-{i}", "both") for i in range(c.num_decode)]
+        workers = [_spawn(n, self._worker_args(role, n), self.workdir) for n, role in names]
+        self.children.extend(workers)
+        for w in workers:
+            w.url = _wait_ready(w, deadline)
+        args = ["pdserve.router.main", "--host", c.host, "--port", str(c.port), "--mode", c.mode]
+        for w in workers:
+            args += ["--worker", w.url or ""]
+        args += ["--model", c.model] if c.model else []
+        args += ["--api-key", c.api_key] if c.api_key else []
+        router = _spawn("router", args, self.workdir)
+        self.children.append(router)
+        self.router_url = router.url = _wait_ready(router, deadline)
+        state = {
+            "router_url": self.router_url,
+            "pid": os.getpid(),
+            "children": [
+                {"name": ch.name, "pid": ch.proc.pid, "url": ch.url} for ch in self.children
+            ],
+        }
+        c.state_file.parent.mkdir(parents=True, exist_ok=True)
+        c.state_file.write_text(json.dumps(state, indent=2))
+        return self.router_url
+
+    def stop(self) -> None:
+        """Stop the router first (no new requests), then the workers."""
+        stop_children(list(reversed(self.children)))
+        if self.config.state_file.exists():
+            try:
+                if json.loads(self.config.state_file.read_text()).get("pid") == os.getpid():
+                    self.config.state_file.unlink()
+            except (OSError, ValueError):
+                pass
+
+    def wait(self) -> int:
+        """Block until a signal or a child exit; returns the exit status for `up`."""
+        stop = {"signal": 0}
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            stop["signal"] = signum
+
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+        while not stop["signal"]:
+            for child in self.children:
+                if child.proc.poll() is not None:
+                    print(
+                        f"pdserve up: {child.name} (pid {child.proc.pid}) exited with "
+                        f"{child.proc.returncode}; stopping",
+                        file=sys.stderr,
+                    )
+                    return 1
+            time.sleep(0.2)
+        return 0
+
+
+def run_up(config: UpConfig) -> int:
+    """The `pdserve up` command."""
+    cluster = Cluster(config)
+    try:
+        url = cluster.start()
+        with urlopen(f"{url}/health", timeout=5) as resp:
+            model = json.loads(resp.read()).get("model", "pdserve")
+        auth = f' -H "Authorization: Bearer {config.api_key}"' if config.api_key else ""
+        print(
+            f"pdserve is up at {url}  (mode {config.mode}, {config.num_prefill} prefill, "
+            f"{config.num_decode} decode; logs in {cluster.workdir})"
+        )
+        print(
+            f"curl {url}/v1/completions -H 'Content-Type: application/json'{auth} "
+            f"""-d '{{"model": "{model}", "prompt": "The quick brown fox", "max_tokens": 16}}'""",
+            flush=True,
+        )
+        return cluster.wait()
+    finally:
+        cluster.stop()

@@ -1,0 +1,239 @@
+"""The router's aiohttp application: wiring, error mapping, auth, and the non-OpenAI routes.
+
+Routes: the OpenAI ones (`openai_api`), `GET /health` (router and workers summary, mode),
+`GET /metrics` (Prometheus), `POST /admin/mode {"mode": "disagg"|"colocated"}`,
+`GET /debug/requests/{id}` (a recent request's timeline).
+
+Life cycle: `create_app` must run inside the event loop (it opens the one shared
+`aiohttp.ClientSession`); startup polls every worker once, then keeps polling; cleanup stops
+polling and closes the session. Every error becomes an OpenAI-style body with its status (400
+bad request, 401 missing key, 503 + Retry-After no capacity, 502 worker failure, 504 timeout),
+so one bad request never takes the router down.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+from pydantic import BaseModel, ValidationError
+
+from pdserve.model.config import load_config
+from pdserve.model.tokenizer import Tokenizer
+from pdserve.router import metrics as metrics_mod
+from pdserve.router.colocated import ColocatedFlow
+from pdserve.router.config import Mode, RouterConfig
+from pdserve.router.disagg import DisaggFlow
+from pdserve.router.dispatcher import Dispatcher
+from pdserve.router.errors import InvalidRequest, NoCapacity, WorkerCallError, WorkerUnreachable
+from pdserve.router.flow import Flow
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.openai_api import OpenAIApi, error_body
+from pdserve.router.policy import compatible_digest
+from pdserve.router.pool import WorkerPool
+from pdserve.router.worker_client import ClientTimeouts, WorkerClient
+
+log = logging.getLogger(__name__)
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class WorkerSummary(BaseModel):
+    """One worker in GET /health."""
+
+    url: str
+    healthy: bool
+    worker_id: str | None
+    role: str | None
+    fingerprint_digest: str | None
+    num_free_blocks: int | None
+    num_running: int | None
+    num_inflight: int
+    last_error: str | None
+
+
+class RouterHealth(BaseModel):
+    """GET /health."""
+
+    status: str  # "ok" when some request can be served in the current mode, else "degraded"
+    mode: Mode
+    model: str
+    compatible_digest: str | None
+    workers: list[WorkerSummary]
+
+
+class ModeChange(BaseModel):
+    """POST /admin/mode body and answer."""
+
+    mode: Mode
+    previous: Mode | None = None
+
+
+class TransitionView(BaseModel):
+    """One transition in GET /debug/requests/{id}."""
+
+    state: str
+    monotonic_ns: int
+    wall_time_s: float
+    detail: str
+
+
+class TimelineView(BaseModel):
+    """GET /debug/requests/{id}."""
+
+    request_id: str
+    mode: str
+    state: str
+    history: list[TransitionView]
+
+
+class _Routes:
+    """Handlers of the router's own routes."""
+
+    def __init__(
+        self, config: RouterConfig, pool: WorkerPool, dispatcher: Dispatcher, metrics: RouterMetrics
+    ) -> None:
+        self._config = config
+        self._pool = pool
+        self._dispatcher = dispatcher
+        self._metrics = metrics
+
+    async def health(self, request: web.Request) -> web.Response:
+        views = self._pool.snapshot()
+        workers = [
+            WorkerSummary(
+                url=v.url,
+                healthy=v.healthy,
+                worker_id=v.health.worker_id if v.health else None,
+                role=v.health.role if v.health else None,
+                fingerprint_digest=v.health.fingerprint_digest if v.health else None,
+                num_free_blocks=v.health.num_free_blocks if v.health else None,
+                num_running=v.health.num_running if v.health else None,
+                num_inflight=v.num_inflight,
+                last_error=self._pool.last_error(v.url),
+            )
+            for v in views
+        ]
+        mode = self._dispatcher.mode
+        needed = ("both",) if mode == "colocated" else ("decode", "both")
+        ok = any(w.healthy and w.role in needed for w in workers)
+        body = RouterHealth(
+            status="ok" if ok else "degraded",
+            mode=mode,
+            model=self._config.model_name,
+            compatible_digest=compatible_digest(views),
+            workers=workers,
+        )
+        return web.json_response(text=body.model_dump_json())
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=self._metrics.render().encode(),
+            headers={"Content-Type": metrics_mod.CONTENT_TYPE},
+        )
+
+    async def set_mode(self, request: web.Request) -> web.Response:
+        try:
+            change = ModeChange.model_validate_json(await request.read())
+        except ValidationError as exc:
+            raise InvalidRequest(f"mode: {exc.errors()[0]['msg']}", "mode") from exc
+        previous = self._dispatcher.set_mode(change.mode)
+        log.info("mode %s -> %s", previous, change.mode)
+        return web.json_response(
+            text=ModeChange(mode=change.mode, previous=previous).model_dump_json()
+        )
+
+    async def timeline(self, request: web.Request) -> web.Response:
+        timeline = self._dispatcher.timeline(request.match_info["request_id"])
+        if timeline is None:
+            raise web.HTTPNotFound(text="unknown or evicted request id")
+        body = TimelineView(
+            request_id=timeline.request_id,
+            mode=timeline.mode,
+            state=timeline.state.name,
+            history=[
+                TransitionView(
+                    state=t.state.name,
+                    monotonic_ns=t.monotonic_ns,
+                    wall_time_s=t.wall_time_s,
+                    detail=t.detail,
+                )
+                for t in timeline.history
+            ],
+        )
+        return web.json_response(text=body.model_dump_json())
+
+
+def _error(status: int, message: str, type_: str, **kw: str | None) -> web.Response:
+    body = error_body(message, type_, kw.get("param"), kw.get("code"))
+    headers = {"Retry-After": kw["retry_after"] or "1"} if "retry_after" in kw else None
+    return web.json_response(text=body.model_dump_json(), status=status, headers=headers)
+
+
+def _middleware(config: RouterConfig, dispatcher: Dispatcher, metrics: RouterMetrics) -> Middleware:
+    @web.middleware
+    async def middleware(request: web.Request, handler: _Handler) -> web.StreamResponse:
+        if config.api_key is not None and request.path.startswith(("/v1/", "/admin/")):
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
+                return _error(401, "missing or wrong API key", "authentication_error")
+        try:
+            return await handler(request)
+        except InvalidRequest as exc:
+            metrics.count_request(dispatcher.mode, "client_error")
+            return _error(400, exc.message, "invalid_request_error", param=exc.param, code=exc.code)
+        except NoCapacity as exc:
+            return _error(503, str(exc), "server_error", retry_after=str(exc.retry_after_s))
+        except WorkerCallError as exc:
+            if exc.status == 400:
+                return _error(400, exc.body.error, "invalid_request_error", code=exc.body.type)
+            if exc.status == 503:
+                return _error(503, str(exc), "server_error", retry_after="1")
+            return _error(502, str(exc), "server_error")
+        except WorkerUnreachable as exc:
+            return _error(502, str(exc), "server_error")
+        except TimeoutError:
+            return _error(504, f"request timed out after {config.request_timeout_s} s", "timeout")
+        except (web.HTTPException, ConnectionResetError):
+            raise
+        except Exception:
+            log.exception("unhandled error on %s %s", request.method, request.path)
+            return _error(500, "internal router error (see the router log)", "server_error")
+
+    return middleware
+
+
+async def create_app(config: RouterConfig) -> web.Application:
+    """The router application for `config`; call inside the running event loop."""
+    tokenizer = Tokenizer(config.model)
+    max_model_len = load_config(config.model).max_position_embeddings
+    session = aiohttp.ClientSession()
+    client = WorkerClient(session, ClientTimeouts())
+    pool = WorkerPool(config.workers, client, config.health_poll_interval_s)
+    flows: dict[Mode, Flow] = {
+        "disagg": DisaggFlow(pool, client, tokenizer.eos_token_ids, lease_ttl_s=config.lease_ttl_s),
+        "colocated": ColocatedFlow(pool, client),
+    }
+    dispatcher = Dispatcher(config.mode, flows)
+    metrics = RouterMetrics()
+    app = web.Application(middlewares=[_middleware(config, dispatcher, metrics)])
+    OpenAIApi(config, tokenizer, max_model_len, dispatcher, metrics).add_routes(app)
+    routes = _Routes(config, pool, dispatcher, metrics)
+    app.router.add_get("/health", routes.health)
+    app.router.add_get("/metrics", routes.metrics)
+    app.router.add_post("/admin/mode", routes.set_mode)
+    app.router.add_get("/debug/requests/{request_id}", routes.timeline)
+
+    async def on_startup(_: web.Application) -> None:
+        await pool.start()
+
+    async def on_cleanup(_: web.Application) -> None:
+        await pool.stop()
+        await session.close()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    return app

@@ -1,0 +1,93 @@
+"""The colocated request path: the whole request on one `both` worker via POST /generate.
+
+    ROUTED(W) → DECODING (W's first streamed line: prefill and the first token happened there)
+      → FINISHED
+
+Until W sends its first line nothing reached the client, so a retryable failure there (W full:
+503, W unreachable) moves to RETRYING and the next worker is tried; none left → NoCapacity.
+After the first line a failure ends the request. Closing the stream early releases the request
+on W.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncGenerator
+
+from pdserve.router.errors import NoCapacity, RouterError, WorkerCallError, WorkerUnreachable
+from pdserve.router.flow import FlowRequest, TokenChunk
+from pdserve.router.policy import rank_colocated
+from pdserve.router.pool import WorkerPool
+from pdserve.router.state import RequestState as S
+from pdserve.router.worker_client import WorkerClient
+from pdserve.worker.protocol import ErrorBody, GenerateRequest, TokenEvent
+
+
+class ColocatedFlow:
+    """Runs each request entirely on one worker of role `both`."""
+
+    def __init__(self, pool: WorkerPool, client: WorkerClient) -> None:
+        self._pool = pool
+        self._client = client
+
+    async def stream(self, request: FlowRequest) -> AsyncGenerator[TokenChunk, None]:
+        """The request's tokens as the worker streams them."""
+        timeline = request.timeline
+        tried: set[str] = set()
+        while True:
+            ranked = rank_colocated(self._pool.snapshot(), exclude=tried)
+            if not ranked:
+                exc = NoCapacity(
+                    f"no colocated (role both) worker accepted {request.request_id}"
+                    f" (tried {sorted(tried)})"
+                )
+                timeline.fail(str(exc))
+                raise exc
+            url = ranked[0].url
+            timeline.advance(S.ROUTED, url)
+            body = GenerateRequest(
+                request_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                sampling=request.sampling,
+            )
+            settled = False
+            with self._pool.inflight(url):
+                try:
+                    async with contextlib.aclosing(self._client.generate(url, body)) as events:
+                        try:
+                            first = await anext(events)
+                        except StopAsyncIteration:
+                            raise WorkerUnreachable(url, "generate stream was empty") from None
+                        except RouterError as exc:
+                            if not exc.retryable:
+                                raise
+                            settled = True  # nothing was admitted there
+                            if isinstance(exc, WorkerUnreachable):
+                                self._pool.mark_failed(url, str(exc))
+                            tried.add(url)
+                            timeline.advance(S.RETRYING, str(exc))
+                            continue
+                        timeline.advance(S.DECODING)
+                        event: TokenEvent | None = first
+                        while event is not None:
+                            if event.error is not None or event.finish_reason == "error":
+                                raise WorkerCallError(
+                                    url,
+                                    500,
+                                    ErrorBody(error=event.error or "failed", type="StreamError"),
+                                )
+                            if event.finished:
+                                settled = True
+                                timeline.advance(S.FINISHED, event.finish_reason or "")
+                                yield TokenChunk(event.token_ids, event.finish_reason or "stop")
+                                return
+                            yield TokenChunk(event.token_ids)
+                            event = await anext(events, None)
+                        raise WorkerUnreachable(url, "generate stream ended before finished")
+                except RouterError as exc:
+                    timeline.fail(str(exc))
+                    raise
+                finally:
+                    if not settled:
+                        await self._client.release_quietly(url, request.request_id)
+                        timeline.fail("closed before the worker finished")

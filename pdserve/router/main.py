@@ -1,0 +1,106 @@
+"""`python -m pdserve.router.main`: run the router (later wired as `pdserve router`).
+
+Builds `RouterConfig` once from the flags, serves until SIGTERM or SIGINT, then shuts down
+gracefully (stops accepting, lets aiohttp finish, closes the worker session) and exits 0. Once
+listening it writes `{"url": ..., "pid": ...}` to `--ready-file` atomically (temp + rename), so a
+launcher polling for the file never reads half of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from aiohttp import web
+
+from pdserve.errors import PdserveError
+from pdserve.router.app import create_app
+from pdserve.router.config import MODES, RouterConfig, parse_mode
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The router's command-line flags."""
+    p = argparse.ArgumentParser(prog="pdserve router", description=__doc__.splitlines()[0])
+    p.add_argument("--worker", action="append", default=[], help="worker base URL (repeatable)")
+    p.add_argument("--mode", choices=MODES, default="disagg")
+    p.add_argument("--model", default=None, help="model folder (default: the tiny built-in)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--ready-file", type=Path, default=None)
+    p.add_argument("--request-timeout-s", type=float, default=600.0)
+    return p
+
+
+def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
+    """Parse flags into a validated RouterConfig."""
+    args = build_parser().parse_args(argv)
+    if args.model is None:
+        from pdserve.model.tiny import default_model_path
+
+        model = default_model_path()
+    else:
+        model = Path(args.model)
+    return RouterConfig(
+        workers=tuple(args.worker),
+        model=model,
+        mode=parse_mode(args.mode),
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        ready_file=args.ready_file,
+        request_timeout_s=args.request_timeout_s,
+    )
+
+
+def write_ready_file(path: Path, url: str) -> None:
+    """Write {"url", "pid"} to `path` atomically."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"url": url, "pid": os.getpid()}))
+    os.replace(tmp, path)
+
+
+async def serve(config: RouterConfig) -> None:
+    """Run the router until SIGTERM/SIGINT."""
+    app = await create_app(config)
+    runner = web.AppRunner(app, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    # With --port 0 the kernel picked the port; the runner knows the bound address.
+    port = runner.addresses[0][1]
+    url = f"http://{config.host}:{port}"
+    logging.getLogger(__name__).info("router listening on %s (mode %s)", url, config.mode)
+    if config.ready_file is not None:
+        write_ready_file(config.ready_file, url)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
+    try:
+        config = config_from_args(argv)
+    except PdserveError as exc:
+        print(f"pdserve router: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

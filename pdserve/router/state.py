@@ -1,0 +1,121 @@
+"""A request's state machine on the router, as one transition table, and its timeline.
+
+Disaggregated life cycle (DESIGN.md):
+
+    RECEIVED → ROUTED → RESERVED → PREFILLING → PREFILLED → TRANSFERRING → COMMITTED
+      → DECODING → FINISHED
+    any live state → RETRYING → an earlier state (ROUTED, RESERVED, PREFILLING), or → FAILED
+
+Colocated life cycle: RECEIVED → ROUTED → DECODING (the worker generates everything) → FINISHED.
+
+PREFILLED → FINISHED is allowed because the first token may already end the request
+(max_tokens == 1, EOS). TRANSFERRING starts when the router asks the decode worker to stream
+(the worker waits for verified KV); COMMITTED is recorded when the decode worker accepts the
+stream, DECODING at its first token.
+
+Pure: no I/O. An illegal transition raises `IllegalRequestTransition` and changes nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pdserve.router.errors import IllegalRequestTransition
+
+
+class RequestState(enum.Enum):
+    """Where a request is in its life cycle."""
+
+    RECEIVED = "received"
+    ROUTED = "routed"
+    RESERVED = "reserved"
+    PREFILLING = "prefilling"
+    PREFILLED = "prefilled"
+    TRANSFERRING = "transferring"
+    COMMITTED = "committed"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    RETRYING = "retrying"
+    FAILED = "failed"
+
+
+S = RequestState
+TERMINAL: frozenset[RequestState] = frozenset({S.FINISHED, S.FAILED})
+# Every allowed transition, in one place. FAILED is reachable from every live state.
+TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
+    S.RECEIVED: frozenset({S.ROUTED, S.FAILED}),
+    S.ROUTED: frozenset({S.RESERVED, S.DECODING, S.RETRYING, S.FAILED}),
+    S.RESERVED: frozenset({S.PREFILLING, S.RETRYING, S.FAILED}),
+    S.PREFILLING: frozenset({S.PREFILLED, S.RETRYING, S.FAILED}),
+    S.PREFILLED: frozenset({S.TRANSFERRING, S.FINISHED, S.RETRYING, S.FAILED}),
+    S.TRANSFERRING: frozenset({S.COMMITTED, S.RETRYING, S.FAILED}),
+    S.COMMITTED: frozenset({S.DECODING, S.FINISHED, S.RETRYING, S.FAILED}),
+    S.DECODING: frozenset({S.FINISHED, S.RETRYING, S.FAILED}),
+    S.RETRYING: frozenset({S.ROUTED, S.RESERVED, S.PREFILLING, S.FAILED}),
+    S.FINISHED: frozenset(),
+    S.FAILED: frozenset(),
+}
+
+
+def can_transition(current: RequestState, target: RequestState) -> bool:
+    """True when the table allows `current -> target`."""
+    return target in TRANSITIONS[current]
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """One recorded state change."""
+
+    state: RequestState
+    monotonic_ns: int
+    wall_time_s: float
+    # Why: the worker chosen, the retry reason, the error; "" when nothing to add.
+    detail: str = ""
+
+
+@dataclass(slots=True)
+class RequestTimeline:
+    """A request's current state and every transition it went through, with timestamps."""
+
+    request_id: str
+    mode: str
+    history: list[Transition] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.history:
+            self.history.append(Transition(S.RECEIVED, time.monotonic_ns(), time.time()))
+
+    @property
+    def state(self) -> RequestState:
+        """The current state (the last transition's)."""
+        return self.history[-1].state
+
+    @property
+    def done(self) -> bool:
+        """True once FINISHED or FAILED."""
+        return self.state in TERMINAL
+
+    def advance(self, target: RequestState, detail: str = "") -> None:
+        """Move to `target`; raises IllegalRequestTransition (state unchanged) if not allowed."""
+        if not can_transition(self.state, target):
+            raise IllegalRequestTransition(self.request_id, self.state.name, target.name)
+        self.history.append(Transition(target, time.monotonic_ns(), time.time(), detail))
+
+    def fail(self, detail: str) -> None:
+        """Move to FAILED unless already terminal (cleanup paths call this unconditionally)."""
+        if not self.done:
+            self.advance(S.FAILED, detail)
+
+    def first_ns(self, state: RequestState) -> int | None:
+        """Monotonic ns of the first entry into `state`, None if never entered."""
+        for t in self.history:
+            if t.state is state:
+                return t.monotonic_ns
+        return None
+
+    def elapsed_s(self, state: RequestState) -> float | None:
+        """Seconds from RECEIVED to the first entry into `state`."""
+        ns = self.first_ns(state)
+        return None if ns is None else (ns - self.history[0].monotonic_ns) / 1e9

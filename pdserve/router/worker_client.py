@@ -1,0 +1,169 @@
+"""Typed client for the worker control API (`pdserve.worker.protocol`), over one session.
+
+Every call takes and returns protocol models; nothing untyped crosses this boundary. Unary calls
+run under a total timeout; streams (`decode`, `generate`) under a per-read timeout instead,
+since a long generation is legitimately long but a silent worker is not. A non-2xx answer
+raises `WorkerCallError` carrying the worker's `ErrorBody`; a connection failure or timeout
+raises `WorkerUnreachable`. Streams are async generators: close them (`contextlib.aclosing`)
+to drop the HTTP connection, which is how the router abandons a stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from typing import TypeVar
+
+import aiohttp
+from pydantic import BaseModel, ValidationError
+
+from pdserve.router.errors import RouterError, WorkerCallError, WorkerUnreachable
+from pdserve.worker.protocol import (
+    DecodeRequest,
+    ErrorBody,
+    GenerateRequest,
+    PrefillRequest,
+    PrefillResult,
+    ReleaseRequest,
+    ReleaseResult,
+    Reservation,
+    ReserveRequest,
+    TokenEvent,
+    WorkerHealth,
+)
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+@dataclass(frozen=True, slots=True)
+class ClientTimeouts:
+    """Seconds allowed per call kind."""
+
+    health_s: float = 2.0
+    control_s: float = 10.0
+    # Prefill of a long prompt on CPU can take a while.
+    prefill_s: float = 120.0
+    # Longest silence between two lines of a token stream.
+    stream_read_s: float = 120.0
+
+
+class WorkerClient:
+    """Calls workers by base URL ("http://127.0.0.1:PORT") over a shared ClientSession."""
+
+    def __init__(self, session: aiohttp.ClientSession, timeouts: ClientTimeouts) -> None:
+        self._session = session
+        self._timeouts = timeouts
+        # Cleanup releases in flight; held so they are not garbage-collected mid-call.
+        self._cleanups: set[asyncio.Task[None]] = set()
+
+    async def health(self, url: str) -> WorkerHealth:
+        """GET /health."""
+        return await self._get(url, "/health", WorkerHealth, self._timeouts.health_s)
+
+    async def reserve(self, url: str, request: ReserveRequest) -> Reservation:
+        """POST /reserve: a decode slot and blocks for a transfer."""
+        return await self._post(url, "/reserve", request, Reservation, self._timeouts.control_s)
+
+    async def prefill(self, url: str, request: PrefillRequest) -> PrefillResult:
+        """POST /prefill: the first token; the KV goes to the reservation afterwards."""
+        return await self._post(url, "/prefill", request, PrefillResult, self._timeouts.prefill_s)
+
+    async def release(self, url: str, request: ReleaseRequest) -> ReleaseResult:
+        """POST /release: free whatever the worker holds for the request."""
+        return await self._post(url, "/release", request, ReleaseResult, self._timeouts.control_s)
+
+    async def release_quietly(self, url: str, request_id: str) -> None:
+        """Release on cleanup paths: never raises a RouterError, and completes even if the
+        caller is cancelled meanwhile (a vanished client must not leak a reservation)."""
+        task = asyncio.create_task(self._release_ignoring_errors(url, request_id))
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+        await asyncio.shield(task)
+
+    async def _release_ignoring_errors(self, url: str, request_id: str) -> None:
+        # 404 (already finished or freed) is the common, harmless answer here.
+        with contextlib.suppress(RouterError):
+            await self.release(url, ReleaseRequest(request_id=request_id))
+
+    def decode(self, url: str, request: DecodeRequest) -> AsyncGenerator[TokenEvent, None]:
+        """POST /decode: the token stream from the second token on."""
+        return self._stream(url, "/decode", request)
+
+    def generate(self, url: str, request: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
+        """POST /generate: the whole request's token stream (colocated)."""
+        return self._stream(url, "/generate", request)
+
+    async def _get(self, url: str, path: str, model: type[_M], timeout_s: float) -> _M:
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        try:
+            async with self._session.get(url + path, timeout=timeout) as resp:
+                return await _parse(url, resp, model)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise WorkerUnreachable(url, f"GET {path}: {exc!r}") from exc
+
+    async def _post(
+        self, url: str, path: str, body: BaseModel, model: type[_M], timeout_s: float
+    ) -> _M:
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        data = body.model_dump_json()
+        headers = {"Content-Type": "application/json"}
+        try:
+            async with self._session.post(
+                url + path, data=data, headers=headers, timeout=timeout
+            ) as resp:
+                return await _parse(url, resp, model)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise WorkerUnreachable(url, f"POST {path}: {exc!r}") from exc
+
+    async def _stream(
+        self, url: str, path: str, body: BaseModel
+    ) -> AsyncGenerator[TokenEvent, None]:
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=self._timeouts.stream_read_s)
+        headers = {"Content-Type": "application/json"}
+        try:
+            async with self._session.post(
+                url + path, data=body.model_dump_json(), headers=headers, timeout=timeout
+            ) as resp:
+                if resp.status >= 300:
+                    await _raise_error(url, resp)
+                async for line in _lines(resp):
+                    yield _validate(url, TokenEvent, line)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise WorkerUnreachable(url, f"POST {path} stream: {exc!r}") from exc
+
+
+async def _lines(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    # readline() splits on b"\n" and buffers across chunk borders; blank lines are keep-alives.
+    while True:
+        line = await resp.content.readline()
+        if not line:
+            return
+        line = line.strip()
+        if line:
+            yield line
+
+
+async def _parse(url: str, resp: aiohttp.ClientResponse, model: type[_M]) -> _M:
+    if resp.status >= 300:
+        await _raise_error(url, resp)
+    return _validate(url, model, await resp.read())
+
+
+async def _raise_error(url: str, resp: aiohttp.ClientResponse) -> None:
+    raw = await resp.read()
+    try:
+        body = ErrorBody.model_validate_json(raw)
+    except ValidationError:
+        # Not our worker's error shape (a proxy, a crash page): keep the status and the text.
+        body = ErrorBody(error=raw[:500].decode("utf-8", "replace"), type="HTTPError")
+    raise WorkerCallError(url, resp.status, body)
+
+
+def _validate(url: str, model: type[_M], raw: bytes) -> _M:
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        body = ErrorBody(error=f"invalid {model.__name__}: {exc}", type="ProtocolError")
+        raise WorkerCallError(url, 502, body) from exc

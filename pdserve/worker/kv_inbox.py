@@ -1,0 +1,189 @@
+"""The decode side of KV transfers: reservations, the receiver and its TCP endpoint.
+
+Life cycle of one reservation (all on the event loop's thread):
+
+    reserve ──► PENDING (engine: remote-KV allocation; receiver: expects the transfer id;
+       │                 lease over the blocks that will be written, TTL from the request)
+       ├── receiver verified the commit ──► VERIFIED ──take──► handed to the decoder
+       │                                                        (lease dropped, transfer forgotten)
+       └── lease expired / take timed out / cancel ──► CANCELLED (engine request aborted:
+                                                       every block back in the pool)
+
+Invariants: a request is scheduled only after `take` saw VERIFIED (invariant 2: the engine is
+only told by the decoder, after take); every PENDING reservation ends in exactly one of
+handed-over or cancelled, so no block outlives its lease (invariant 1). The receiver's guard
+checks the lease before Begin, each Chunk and Commit, so a transfer that arrives after expiry
+is refused and cannot write into freed blocks.
+
+It knows the engine loop, the receiver and leases; not HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from dataclasses import dataclass, field
+
+from pdserve.errors import KVNotReady, RequestNotFound
+from pdserve.transfer.messages import KVLayout, token_digest
+from pdserve.transfer.receiver import IncomingTransfer, KVReceiver
+from pdserve.transfer.receiver_session import ReceivePlan
+from pdserve.transfer.sender import LeaseHandle
+from pdserve.transfer.tcp import TcpServer, serve_tcp
+from pdserve.worker.engine_loop import EngineInfo, EngineLoop
+from pdserve.worker.lease_keeper import LeaseKeeper
+from pdserve.worker.protocol import Reservation, ReserveRequest
+
+
+@dataclass(slots=True)
+class _Pending:
+    request_id: str
+    transfer_id: bytes
+    lease: LeaseHandle
+    # Set once: verified, or cancelled (then `cancel_reason` says why).
+    settled: asyncio.Event = field(default_factory=asyncio.Event)
+    verified: bool = False
+    cancel_reason: str | None = None
+
+
+class KVInbox:
+    """Every reservation of one decode worker and the TCP endpoint its KV arrives on."""
+
+    def __init__(self, engine: EngineLoop, info: EngineInfo, leases: LeaseKeeper) -> None:
+        self._engine = engine
+        self._info = info
+        self._leases = leases
+        self.receiver = KVReceiver(info.fingerprint)
+        self._pending: dict[str, _Pending] = {}
+        self._server: TcpServer | None = None
+        self._tasks: set[asyncio.Task[int]] = set()
+        self.num_cancelled = 0
+
+    async def start(self, host: str, port: int) -> str:
+        """Listen for KV connections; returns the endpoint as "host:port"."""
+        self._server = await serve_tcp(self.receiver.handle, host, port)
+        return self.address
+
+    @property
+    def address(self) -> str:
+        """ "host:port" of the KV endpoint (after `start`)."""
+        assert self._server is not None, "KVInbox.start was not called"
+        host, port = self._server.address
+        return f"{host}:{port}"
+
+    async def aclose(self) -> None:
+        """Stop the endpoint and cancel every pending reservation."""
+        if self._server is not None:
+            await self._server.aclose()
+        for request_id in list(self._pending):
+            await self.cancel(request_id, "worker stopping")
+
+    async def reserve(self, body: ReserveRequest) -> Reservation:
+        """Allocate the blocks, expect the transfer and lease the blocks it will write."""
+        rid = body.request_id
+        params = body.sampling.to_params()
+        num_cached, block_ids, views = await self._engine.add_remote(
+            rid, body.prompt_token_ids, params
+        )
+        try:
+            info = self._info
+            # Blocks the prefix cache already filled do not travel; the rest up to the prompt's
+            # last block do (the extra block for the first decoded token is written locally).
+            skip = num_cached // info.block_size
+            end = info.num_prompt_blocks(len(body.prompt_token_ids))
+            transfer_id, token = os.urandom(16), os.urandom(16)
+            lease = self._leases.grant(
+                block_ids[skip:end],
+                body.lease_ttl_s,
+                f"reservation {rid}",
+                lambda: self._spawn_cancel(rid, f"lease expired after {body.lease_ttl_s}s"),
+            )
+            pending = _Pending(rid, transfer_id, lease)
+            self._pending[rid] = pending
+            if end > skip:
+                layout = KVLayout(
+                    info.num_layers, end - skip, info.block_bytes, info.dtype, info.block_size
+                )
+                plan = ReceivePlan(
+                    transfer_id,
+                    token,
+                    layout,
+                    rid,
+                    len(body.prompt_token_ids),
+                    token_digest(body.prompt_token_ids),
+                )
+                self.receiver.expect(
+                    IncomingTransfer(
+                        plan,
+                        views[skip:end],
+                        on_verified=lambda: self._verified(pending),
+                        guard=lambda: self._leases.check(lease),
+                    )
+                )
+            else:
+                self._verified(pending)  # the whole prompt was cached here: nothing to receive
+        except BaseException:
+            self._pending.pop(rid, None)
+            await self._engine.abort(rid)
+            raise
+        return Reservation(
+            request_id=rid,
+            transfer_id=transfer_id.hex(),
+            capability_token=token.hex(),
+            transfer_address=self.address,
+            num_cached_tokens=num_cached,
+            lease_ttl_s=body.lease_ttl_s,
+        )
+
+    async def take(self, request_id: str, timeout_s: float) -> None:
+        """Wait until the reservation's KV is verified and hand it over to the caller.
+
+        Raises RequestNotFound for an unknown reservation, KVNotReady (after cancelling it)
+        when the KV is not verified in time or the reservation was cancelled meanwhile.
+        """
+        pending = self._pending.get(request_id)
+        if pending is None:
+            raise RequestNotFound(f"no reservation for request {request_id}")
+        try:
+            async with asyncio.timeout(timeout_s):
+                await pending.settled.wait()
+        except TimeoutError:
+            await self.cancel(request_id, f"KV not verified within {timeout_s}s")
+        if pending.cancel_reason is not None:
+            raise KVNotReady(
+                f"request {request_id}: reservation cancelled: {pending.cancel_reason}"
+            )
+        self._pending.pop(request_id, None)
+        self.receiver.forget(pending.transfer_id)
+        self._leases.drop(pending.lease)
+
+    async def cancel(self, request_id: str, reason: str) -> int:
+        """Drop a pending reservation and free its blocks; returns blocks freed (0 if none)."""
+        pending = self._pending.pop(request_id, None)
+        if pending is None:
+            return 0
+        pending.cancel_reason = reason
+        pending.settled.set()
+        self.receiver.forget(pending.transfer_id)
+        self._leases.drop(pending.lease)
+        self.num_cancelled += 1
+        return await self._engine.abort(request_id)
+
+    def has(self, request_id: str) -> bool:
+        """Whether a reservation for the request is pending."""
+        return request_id in self._pending
+
+    def _verified(self, pending: _Pending) -> None:
+        pending.verified = True
+        pending.settled.set()
+
+    def _spawn_cancel(self, request_id: str, reason: str) -> None:
+        task = asyncio.get_running_loop().create_task(self.cancel(request_id, reason))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def wait_idle(self) -> None:
+        """Wait for cancellations started by the reaper (for an orderly stop)."""
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*self._tasks)

@@ -1,0 +1,120 @@
+"""`python -m pdserve.worker.main` (also `pdserve worker`): one worker process.
+
+Flags are parsed once into a frozen `WorkerConfig` (the engine's part is an `EngineConfig`);
+a bad flag or value exits 2 with one line naming it. The process serves until SIGTERM or
+SIGINT, then stops gracefully (HTTP closed, held KV released, engine thread joined) and exits 0.
+A failure while starting (model folder, port in use) exits 1 with one line.
+
+It knows flags, signals and exit codes; the worker itself is `server.Worker`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from pdserve.config import DTYPES, EngineConfig, ModelLoadConfig
+from pdserve.errors import ConfigError, PdserveError
+from pdserve.worker.config import ROLES, WorkerConfig
+from pdserve.worker.server import Worker
+
+PROG = "pdserve worker"
+_ENGINE_DEFAULTS = EngineConfig()
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One line, not usage + error: launchers show it verbatim.
+        self.exit(2, f"{PROG}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The worker's flags."""
+    p = _Parser(prog=PROG, description="one pdserve worker: HTTP control API + KV endpoint")
+    p.add_argument("--role", choices=ROLES, default="both")
+    p.add_argument("--model", default=None, help="Hugging Face folder (default: tiny built-in)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="HTTP port; 0 picks a free one")
+    p.add_argument("--kv-port", type=int, default=0, help="KV transfer port; 0 picks one")
+    p.add_argument("--worker-id", default="", help="default: <role>-<pid>")
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--quantization", choices=("none", "int8"), default="none")
+    p.add_argument("--block-size", type=int, default=_ENGINE_DEFAULTS.block_size)
+    p.add_argument("--kv-cache-bytes", type=int, default=_ENGINE_DEFAULTS.kv_cache_bytes)
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=_ENGINE_DEFAULTS.max_num_batched_tokens
+    )
+    p.add_argument("--ready-file", type=Path, default=None, help='write {"url","pid"} here')
+    return p
+
+
+def build_config(args: argparse.Namespace) -> WorkerConfig:
+    """The typed config from parsed flags; ConfigError names a bad value."""
+    model = ModelLoadConfig(
+        path=args.model,
+        dtype=args.dtype,
+        quantization=None if args.quantization == "none" else args.quantization,
+    )
+    engine = EngineConfig(
+        block_size=args.block_size,
+        kv_cache_bytes=args.kv_cache_bytes,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        model=model,
+    )
+    return WorkerConfig(
+        role=args.role,
+        host=args.host,
+        port=args.port,
+        kv_port=args.kv_port,
+        worker_id=args.worker_id or f"{args.role}-{os.getpid()}",
+        ready_file=args.ready_file,
+        engine=engine,
+    )
+
+
+async def serve(config: WorkerConfig) -> None:
+    """Run a worker until SIGTERM/SIGINT, then stop it."""
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    worker = Worker(config)
+    try:
+        url = await worker.start()
+        logging.getLogger(__name__).info("worker %s (%s) at %s", config.worker_id, config.role, url)
+        await stopping.wait()
+    finally:
+        await worker.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        config = build_config(args)
+    except ConfigError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        asyncio.run(serve(config))
+    except (PdserveError, OSError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        # asyncio.run restored the default handlers: a repeated stop signal arriving while
+        # the interpreter exits must not turn a graceful stop into a kill.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

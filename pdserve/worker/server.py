@@ -1,0 +1,91 @@
+"""One worker's life cycle: build the parts in order, serve, and stop them in reverse.
+
+Start: the engine thread (loads the model), the lease reaper, the KV endpoint (decode/both),
+the outbox (prefill/both), then the HTTP server; only once it listens is the ready file
+written, atomically, with the real URL (port 0 picks a free one), so a launcher never reads a
+half-written file or a URL nobody answers. Stop: HTTP first (no new work), then sends and
+reservations (their KV is released into the engine), the reaper, and last the engine thread.
+
+It knows how the parts fit together; the parts themselves live in their own modules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+
+from aiohttp import web
+
+from pdserve.engine.engine import Engine
+from pdserve.worker.app import WorkerAPI
+from pdserve.worker.config import WorkerConfig
+from pdserve.worker.engine_loop import EngineLoop
+from pdserve.worker.kv_inbox import KVInbox
+from pdserve.worker.kv_outbox import KVOutbox
+from pdserve.worker.lease_keeper import LeaseKeeper
+
+# Seconds in-flight HTTP handlers get to finish when the worker stops.
+SHUTDOWN_TIMEOUT_S = 2.0
+
+
+def write_ready_file(path: Path, url: str) -> None:
+    """Write {"url", "pid"} to `path` atomically (temp file in the same folder, then rename)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"url": url, "pid": os.getpid()}) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+class Worker:
+    """An engine, its transfer endpoints and its HTTP API, started and stopped as one."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.url: str | None = None
+        engine_config = config.engine
+        self.engine = EngineLoop(lambda: Engine.from_config(engine_config), name="engine")
+        self.leases = LeaseKeeper(config.reap_interval_s)
+        self.inbox: KVInbox | None = None
+        self.outbox: KVOutbox | None = None
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> str:
+        """Bring every part up; returns the HTTP URL once it listens."""
+        c = self.config
+        info = await self.engine.start()
+        self.leases.start()
+        if c.serves_decode:
+            self.inbox = KVInbox(self.engine, info, self.leases)
+            await self.inbox.start(c.host, c.kv_port)
+        if c.serves_prefill:
+            self.outbox = KVOutbox(self.engine, info, self.leases)
+        api = WorkerAPI(c, info, self.engine, self.leases, self.inbox, self.outbox)
+        # handler_cancellation: a client that disconnects cancels its handler, whose cleanup
+        # aborts the request in the engine.
+        self._runner = web.AppRunner(
+            api.app(),
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, c.host, c.port)
+        await site.start()
+        host, port = self._runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
+        if c.ready_file is not None:
+            write_ready_file(c.ready_file, self.url)
+        return self.url
+
+    async def stop(self) -> None:
+        """Stop in reverse order; every held block goes back to the engine first."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self.outbox is not None:
+            await self.outbox.aclose()
+        if self.inbox is not None:
+            await self.inbox.aclose()
+        await self.leases.aclose()
+        await asyncio.to_thread(self.engine.stop)

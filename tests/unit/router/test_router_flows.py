@@ -1,0 +1,288 @@
+"""The router against fake workers: call order, releases, colocated mode, mode switch, errors.
+
+Each test runs one coroutine under `asyncio.run`: fake workers and the router on in-process
+aiohttp test servers (loopback, port 0), a TestClient to talk to the router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from fake_worker import FakeWorker
+
+from pdserve.model.tokenizer import Tokenizer
+from pdserve.router import sse
+from pdserve.router.app import create_app
+from pdserve.router.config import Mode, RouterConfig
+
+
+@pytest.fixture(scope="module")
+def tokens(tiny_model_path: Path) -> list[int]:
+    return Tokenizer(tiny_model_path).encode(
+        " the cat sat on the mat and", add_special_tokens=False
+    )
+
+
+@asynccontextmanager
+async def router(
+    model: Path, workers: list[FakeWorker], mode: Mode = "disagg", api_key: str | None = None
+) -> AsyncIterator[TestClient]:  # type: ignore[type-arg]
+    for w in workers:
+        await w.start()
+    config = RouterConfig(
+        workers=tuple(w.url for w in workers), model=model, mode=mode, api_key=api_key,
+        health_poll_interval_s=60.0,
+    )  # fmt: skip
+    client = TestClient(TestServer(await create_app(config)))
+    await client.start_server()
+    try:
+        yield client
+    finally:
+        await client.close()
+        for w in workers:
+            await w.close()
+
+
+def run(coro: Callable[[], Awaitable[None]]) -> None:
+    async def bounded() -> None:
+        async with asyncio.timeout(30):
+            await coro()
+
+    asyncio.run(bounded())
+
+
+def completion(max_tokens: int = 4, **kw: object) -> dict[str, object]:
+    return {"model": "tiny-v1", "prompt": "hello", "max_tokens": max_tokens, "temperature": 0, **kw}
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_path: Path) -> Path:
+    return tiny_model_path
+
+
+def test_disagg_reserves_before_prefill_and_streams(model: Path, tokens: list[int]) -> None:
+    prefill, decode = FakeWorker("prefill", tokens), FakeWorker("decode", tokens)
+    text = Tokenizer(model).decode(tokens[:4])
+
+    async def body() -> None:
+        async with router(model, [prefill, decode]) as client:
+            resp = await client.post("/v1/completions", json=completion(model=model.name))
+            data = await resp.json()
+            assert resp.status == 200, data
+            assert data["choices"][0] == {"index": 0, "text": text, "logprobs": None,
+                                          "finish_reason": "length"}  # fmt: skip
+            assert data["usage"]["completion_tokens"] == 4
+            assert decode.paths() == ["/reserve", "/decode"]
+            assert prefill.paths() == ["/prefill"]
+            rid = decode.calls[1][1]
+            assert prefill.calls[-1][1] == rid
+            timeline = await (await client.get(f"/debug/requests/{rid}")).json()
+            assert [t["state"] for t in timeline["history"]] == [
+                "RECEIVED", "ROUTED", "RESERVED", "PREFILLING", "PREFILLED", "TRANSFERRING",
+                "COMMITTED", "DECODING", "FINISHED",
+            ]  # fmt: skip
+
+    run(body)
+
+
+def test_refused_reserve_tries_next_decode_then_503_never_prefill(
+    model: Path, tokens: list[int]
+) -> None:
+    prefill = FakeWorker("prefill", tokens)
+    full = FakeWorker("decode", tokens, refuse_reserve=True, num_free_blocks=999)
+    ok = FakeWorker("decode", tokens, num_free_blocks=1)
+
+    async def body() -> None:
+        async with router(model, [prefill, full, ok]) as client:
+            resp = await client.post("/v1/completions", json=completion())
+            assert resp.status == 200
+            assert full.paths() == ["/reserve"] and ok.paths() == ["/reserve", "/decode"]
+            assert prefill.calls[-1][1] == ok.calls[1][1]
+            ok.refuse_reserve = True
+            prefill.calls.clear()
+            resp = await client.post("/v1/completions", json=completion())
+            assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+            assert (await resp.json())["error"]["type"] == "server_error"
+            assert prefill.paths() == []  # a failed reservation never wastes a prefill
+            metrics = await (await client.get("/metrics")).text()
+            assert 'pdserve_router_requests_total{mode="disagg",status="no_capacity"} 1' in metrics
+            assert 'pdserve_router_requests_total{mode="disagg",status="ok"} 1' in metrics
+
+    run(body)
+
+
+def test_failed_prefill_releases_the_reservation(model: Path, tokens: list[int]) -> None:
+    prefill = FakeWorker("prefill", tokens, fail_prefill=True, fail_prefill_retryable=False)
+    decode = FakeWorker("decode", tokens)
+
+    async def body() -> None:
+        async with router(model, [prefill, decode]) as client:
+            resp = await client.post("/v1/completions", json=completion())
+            assert resp.status == 502
+            assert decode.paths() == ["/reserve", "/release"]
+            assert decode.reserved == {}
+
+    run(body)
+
+
+def test_retryable_prefill_failure_retries_on_another_prefill_worker(
+    model: Path, tokens: list[int]
+) -> None:
+    bad = FakeWorker("prefill", tokens, fail_prefill=True)
+    good = FakeWorker("prefill", tokens, num_running=1)  # ranked after `bad`
+    decode = FakeWorker("decode", tokens)
+
+    async def body() -> None:
+        async with router(model, [bad, good, decode]) as client:
+            resp = await client.post("/v1/completions", json=completion())
+            assert resp.status == 200
+            rid = bad.calls[-1][1]
+            assert decode.paths() == ["/reserve", "/release", "/reserve", "/decode"]
+            assert good.calls[-1][1] == f"{rid}.a1" == decode.calls[-1][1]
+
+    run(body)
+
+
+def test_client_disconnect_mid_stream_releases(model: Path, tokens: list[int]) -> None:
+    prefill = FakeWorker("prefill", tokens)
+    decode = FakeWorker("decode", tokens, token_delay_s=0.05)
+
+    async def body() -> None:
+        async with router(model, [prefill, decode]) as client:
+            resp = await client.post("/v1/completions", json=completion(50, stream=True))
+            assert resp.status == 200
+            await resp.content.readline()
+            resp.close()  # the client goes away
+            for _ in range(100):
+                if "/release" in decode.paths():
+                    break
+                await asyncio.sleep(0.02)
+            assert decode.paths() == ["/reserve", "/decode", "/release"]
+
+    run(body)
+
+
+def test_stop_string_ends_the_stream_and_releases(model: Path, tokens: list[int]) -> None:
+    tokenizer = Tokenizer(model)
+    full = tokenizer.decode(tokens)
+    stop = full[full.index(" sat") :][:4]  # " sat"
+    prefill, decode = FakeWorker("prefill", tokens), FakeWorker("decode", tokens)
+
+    async def body() -> None:
+        async with router(model, [prefill, decode]) as client:
+            req = completion(len(tokens), stop=[stop], stream=True,
+                             stream_options={"include_usage": True})  # fmt: skip
+            resp = await client.post("/v1/completions", json=req)
+            events = sse.parse_events(await resp.read())
+            assert events[-1] == "[DONE]"
+            chunks = [json.loads(e) for e in events[:-1]]
+            text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+            assert text == full[: full.index(stop)]
+            assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
+            assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens"] > 0
+
+    run(body)
+
+
+def test_colocated_mode_and_runtime_switch(model: Path, tokens: list[int]) -> None:
+    both = FakeWorker("both", tokens)
+    prefill = FakeWorker("prefill", tokens)
+
+    async def body() -> None:
+        async with router(model, [prefill, both], mode="colocated") as client:
+            chat = {"model": "tiny-v1", "max_tokens": 3, "stream": True,
+                    "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
+            resp = await client.post("/v1/chat/completions", json=chat)
+            events = sse.parse_events(await resp.read())
+            first = json.loads(events[0])
+            assert first["object"] == "chat.completion.chunk"
+            assert first["choices"][0]["delta"]["role"] == "assistant"
+            assert both.paths() == ["/generate"] and prefill.paths() == []
+            health = await (await client.get("/health")).json()
+            assert health["mode"] == "colocated" and health["status"] == "ok"
+
+            resp = await client.post("/admin/mode", json={"mode": "disagg"})
+            assert await resp.json() == {"mode": "disagg", "previous": "colocated"}
+            resp = await client.post("/v1/completions", json=completion(3))
+            assert resp.status == 200
+            assert both.paths() == ["/generate", "/reserve", "/decode"]
+            assert prefill.paths() == ["/prefill"]
+            resp = await client.post("/admin/mode", json={"mode": "sideways"})
+            assert resp.status == 400
+
+    run(body)
+
+
+def test_in_flight_request_finishes_in_its_starting_mode(model: Path, tokens: list[int]) -> None:
+    both = FakeWorker("both", tokens, token_delay_s=0.02)
+    prefill = FakeWorker("prefill", tokens)
+
+    async def body() -> None:
+        async with router(model, [prefill, both], mode="colocated") as client:
+            pending = asyncio.create_task(client.post("/v1/completions", json=completion(8)))
+            while "/generate" not in both.paths():
+                await asyncio.sleep(0.01)
+            await client.post("/admin/mode", json={"mode": "disagg"})
+            resp = await pending
+            data = await resp.json()
+            assert resp.status == 200 and data["choices"][0]["finish_reason"] == "length"
+            assert both.paths() == ["/generate"]  # no disagg calls for the in-flight request
+
+    run(body)
+
+
+@pytest.mark.parametrize(
+    ("patch", "param"),
+    [
+        ({"model": "gpt-4"}, "model"),
+        ({"n": 2}, "n"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 10**6}, "max_tokens"),
+        ({"prompt": "word " * 5000}, "prompt"),
+        ({"prompt": [10**9]}, "prompt"),
+        ({"temperature": "hot"}, "temperature"),
+    ],
+)
+def test_bad_requests_are_400_with_param(
+    model: Path, tokens: list[int], patch: dict[str, object], param: str
+) -> None:
+    both = FakeWorker("both", tokens)
+
+    async def body() -> None:
+        async with router(model, [both], mode="colocated") as client:
+            resp = await client.post("/v1/completions", json={**completion(), **patch})
+            data = await resp.json()
+            assert resp.status == 400, data
+            assert data["error"]["type"] == "invalid_request_error"
+            assert data["error"]["param"] == param
+            assert both.paths() == []
+            # The router keeps serving.
+            assert (await client.post("/v1/completions", json=completion())).status == 200
+
+    run(body)
+
+
+def test_malformed_json_auth_and_models(model: Path, tokens: list[int]) -> None:
+    both = FakeWorker("both", tokens)
+
+    async def body() -> None:
+        async with router(model, [both], mode="colocated", api_key="sekret") as client:
+            resp = await client.post("/v1/completions", json=completion())
+            assert resp.status == 401
+            auth = {"Authorization": "Bearer sekret"}
+            resp = await client.post("/v1/completions", data=b"{nope", headers=auth)
+            assert resp.status == 400
+            assert (await resp.json())["error"]["code"] == "invalid_json"
+            models = await (await client.get("/v1/models", headers=auth)).json()
+            assert models["data"][0]["id"] == model.name
+            assert (await client.get("/health")).status == 200  # health needs no key
+
+    run(body)

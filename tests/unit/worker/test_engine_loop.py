@@ -1,0 +1,177 @@
+"""EngineLoop without HTTP: token events arrive in order and equal a direct engine run, aborts
+free blocks, capacity refusals are typed, the idle thread blocks, and no engine attribute is
+ever touched off the engine thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar, cast
+
+import pytest
+
+from pdserve.config import EngineConfig, ModelLoadConfig
+from pdserve.engine.engine import Engine, RequestDelta
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.errors import PromptTooLong
+from pdserve.model.loader import LoadedModel, load_model
+from pdserve.worker.engine_loop import DeltaQueue, EngineLoop
+from pdserve.worker.http_errors import NoFreeBlocks
+
+T = TypeVar("T")
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_path: Path) -> LoadedModel:
+    return load_model(str(tiny_model_path))
+
+
+def make_engine(model: LoadedModel, num_blocks: int = 64) -> Engine:
+    config = EngineConfig(model=ModelLoadConfig(path=str(model.path)), num_blocks=num_blocks)
+    return Engine(model, config)
+
+
+class ThreadCheckedEngine:
+    """Records the thread of every attribute access on the wrapped engine."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self.threads: set[int] = set()
+        self.num_has_work_calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        self.threads.add(threading.get_ident())
+        if name == "has_work":
+            self.num_has_work_calls += 1
+        return getattr(self._engine, name)
+
+
+def with_loop(
+    model: LoadedModel, body: Callable[[EngineLoop, ThreadCheckedEngine], Awaitable[T]]
+) -> T:
+    checked = ThreadCheckedEngine(make_engine(model))
+    loop = EngineLoop(lambda: cast(Engine, checked))
+
+    async def run() -> T:
+        await loop.start()
+        try:
+            return await body(loop, checked)
+        finally:
+            loop.stop()
+
+    result = asyncio.run(run())
+    assert checked.threads == {loop.thread_ident}, "an engine attribute was touched off-thread"
+    return result
+
+
+async def collect(queue: DeltaQueue) -> list[RequestDelta]:
+    deltas = []
+    while True:
+        delta = await asyncio.wait_for(queue.get(), 10)
+        deltas.append(delta)
+        if delta.finished:
+            return deltas
+
+
+def direct(model: LoadedModel, prompt: list[int], params: SamplingParams) -> list[int]:
+    engine = make_engine(model)
+    request = engine.add_request("d", prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+    return list(request.output_token_ids)
+
+
+def test_token_events_arrive_in_order_and_equal_a_direct_run(model: LoadedModel) -> None:
+    prompts = [[5, 6, 7, 8, 9], list(range(10, 40))]
+
+    async def body(loop: EngineLoop, _: ThreadCheckedEngine) -> list[list[RequestDelta]]:
+        queues = [await loop.add(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]
+        return list(await asyncio.gather(*(collect(q) for q in queues)))
+
+    streams = with_loop(model, body)
+    for prompt, deltas in zip(prompts, streams, strict=True):
+        assert [t for d in deltas for t in d.new_token_ids] == direct(model, prompt, GREEDY)
+        assert [d.finished for d in deltas] == [False] * 5 + [True]
+        assert deltas[-1].finish_reason == "length"
+
+
+def test_abort_ends_the_stream_and_frees_every_block(model: LoadedModel) -> None:
+    async def body(loop: EngineLoop, _: ThreadCheckedEngine) -> tuple[int, list[RequestDelta]]:
+        long = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+        queue = await loop.add("a", list(range(3, 40)), long)
+        await asyncio.wait_for(queue.get(), 10)  # running
+        num_blocks = await loop.abort("a")
+        deltas = await collect(queue)
+        stats = await loop.stats()
+        assert (stats.num_free_blocks, stats.num_held_blocks) == (stats.num_blocks, 0)
+        assert await loop.abort("a") == 0  # unknown now: nothing to free
+        return num_blocks, deltas
+
+    num_blocks, deltas = with_loop(model, body)
+    assert num_blocks >= 3
+    assert deltas[-1].finished and deltas[-1].finish_reason == "abort"
+
+
+def test_held_kv_is_pinned_until_release(model: LoadedModel) -> None:
+    async def body(loop: EngineLoop, _: ThreadCheckedEngine) -> None:
+        one = SamplingParams(max_tokens=1, temperature=0.0)
+        queue = await loop.add("p", list(range(3, 38)), one, hold_kv=True)
+        (delta,) = await collect(queue)
+        assert len(delta.new_token_ids) == 1
+        assert (await loop.stats()).num_held_blocks == 3  # ceil(35 / 16)
+        assert len(await loop.kv_block_views("p")) == 3
+        assert await loop.release("p") == 3
+        assert (await loop.stats()).num_held_blocks == 0
+
+    with_loop(model, body)
+
+
+def test_remote_request_refused_for_capacity_and_stopped_by_first_token(
+    model: LoadedModel,
+) -> None:
+    async def body(loop: EngineLoop, _: ThreadCheckedEngine) -> None:
+        with pytest.raises(PromptTooLong):  # never fits: 64 blocks of 16 tokens
+            await loop.add_remote("huge", list(range(3, 1100)), GREEDY)
+        num_cached, ids, views = await loop.add_remote("a", list(range(3, 900)), GREEDY)
+        assert (num_cached, len(ids), len(views)) == (0, 57, 57)  # ceil(898 / 16)
+        with pytest.raises(NoFreeBlocks, match="KV blocks needed"):
+            await loop.add_remote("b", list(range(3, 300)), GREEDY)
+        # max_tokens 1: the prefill's token was the whole output; nothing is scheduled.
+        await loop.add_remote("c", [4, 5, 6], SamplingParams(max_tokens=1))
+        (delta,) = await collect(await loop.mark_ready("c", 7))
+        assert (delta.new_token_ids, delta.finish_reason) == ((), "length")
+        assert await loop.abort("a") == 57
+        stats = await loop.stats()
+        assert (stats.num_free_blocks, stats.num_held_blocks) == (stats.num_blocks, 0)
+
+    with_loop(model, body)
+
+
+def test_idle_thread_blocks_on_the_queue(model: LoadedModel) -> None:
+    async def body(loop: EngineLoop, checked: ThreadCheckedEngine) -> None:
+        await collect(await loop.add("r", [5, 6, 7], GREEDY))
+        await loop.stats()
+        await asyncio.sleep(0.05)  # the thread finishes its loop turn, then blocks
+        before = checked.num_has_work_calls
+        await asyncio.sleep(0.2)
+        assert checked.num_has_work_calls == before  # no polling while idle
+
+    with_loop(model, body)
+
+
+def test_stop_fails_commands_queued_behind_it(model: LoadedModel) -> None:
+    loop = EngineLoop(lambda: make_engine(model))
+
+    async def run() -> None:
+        await loop.start()
+        loop.stop()
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="stopped"):
+            await asyncio.wait_for(loop.stats(), 2)
+        assert time.monotonic() - start < 2
+
+    asyncio.run(run())
