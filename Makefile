@@ -13,8 +13,9 @@ PY := .venv/bin/python
 
 install: .venv/.installed
 
+# Router + 1 prefill + 1 decode worker on http://127.0.0.1:8000, embedded tiny model; Ctrl-C stops all.
 run: install
-	$(PY) -m pdserve generate "The quick brown fox"
+	$(PY) -m pdserve up
 
 test: install
 	$(PY) -m ruff check pdserve tests benchmarks

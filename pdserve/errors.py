@@ -14,7 +14,9 @@ field, the worker, the frame.
     │   ├── UnsupportedArchitecture     architecture not in the supported list
     │   └── WeightShapeMismatch         tensor shape differs from config (names tensor, shapes)
     ├── FingerprintMismatch             two engines whose KV is not interchangeable (names fields)
+    ├── WrongRole                       the endpoint is not served by this worker's role
     ├── EngineError
+    │   ├── NoFreeBlocks                no KV blocks for the request right now (retryable)
     │   ├── RequestNotFound             unknown request id
     │   ├── DuplicateRequest            request id already in the engine
     │   ├── PromptTooLong               prompt + max_tokens exceed the model or the KV cache
@@ -22,6 +24,12 @@ field, the worker, the frame.
     ├── LeaseError
     │   ├── LeaseExpired                the grant lapsed (retryable: ask for a new one)
     │   └── StaleLease                  a newer grant (higher epoch) supersedes this one
+    ├── RouterError
+    │   ├── IllegalRequestTransition    a request state change the table does not allow
+    │   ├── InvalidRequest              a client request refused with 400 (names the param)
+    │   ├── NoCapacity                  no worker can take the request now (503, retryable)
+    │   ├── WorkerUnreachable           connection refused, reset or timed out (retryable)
+    │   └── WorkerCallError             a worker answered non-2xx; carries its error body
     └── TransferError                   KV data plane
         ├── ProtocolError               a peer sent bytes that are not a valid frame or message
         │   ├── FrameTruncated
@@ -39,6 +47,8 @@ field, the worker, the frame.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 
 class PdserveError(Exception):
@@ -110,8 +120,18 @@ class FingerprintMismatch(PdserveError):
         self.fields = fields
 
 
+class WrongRole(PdserveError):
+    """This worker's role does not serve the endpoint (e.g. /prefill on a decode worker)."""
+
+
 class EngineError(PdserveError):
     """An engine-level request error."""
+
+
+class NoFreeBlocks(EngineError):
+    """Not enough free KV blocks for the request now; another worker or a retry may do."""
+
+    retryable = True
 
 
 class RequestNotFound(EngineError, KeyError):
@@ -131,6 +151,74 @@ class PromptTooLong(EngineError):
 
 class KVNotReady(EngineError):
     """A request's remote KV has not been fully received and verified."""
+
+
+class ErrorBodyLike(Protocol):
+    """What WorkerCallError needs of a worker's error body (`worker.protocol.ErrorBody`)."""
+
+    @property
+    def error(self) -> str: ...
+
+    @property
+    def type(self) -> str: ...
+
+    @property
+    def retryable(self) -> bool: ...
+
+
+class RouterError(PdserveError):
+    """An error raised by the router."""
+
+
+class IllegalRequestTransition(RouterError):
+    """A request's state machine was asked for a transition its table does not allow."""
+
+    def __init__(self, request_id: str, current: str, target: str) -> None:
+        super().__init__(f"request {request_id}: illegal transition {current} -> {target}")
+        self.current = current
+        self.target = target
+
+
+class NoCapacity(RouterError):
+    """No compatible worker can take the request now; the client should retry later."""
+
+    retryable = True
+
+    def __init__(self, detail: str, retry_after_s: int = 1) -> None:
+        super().__init__(f"no capacity: {detail}")
+        self.retry_after_s = retry_after_s
+
+
+class WorkerUnreachable(RouterError):
+    """The worker did not answer: connection refused or reset, or the call timed out."""
+
+    retryable = True
+
+    def __init__(self, url: str, detail: str) -> None:
+        super().__init__(f"worker {url}: unreachable: {detail}")
+        self.url = url
+
+
+class WorkerCallError(RouterError):
+    """A worker answered a call with a non-2xx status and an `ErrorBody`."""
+
+    def __init__(self, url: str, status: int, body: ErrorBodyLike) -> None:
+        super().__init__(f"worker {url}: HTTP {status}: {body.type}: {body.error}")
+        self.url = url
+        self.status = status
+        self.body = body
+        # 503 (no capacity) is worth trying elsewhere whatever the body says.
+        self.retryable = body.retryable or status == 503
+
+
+class InvalidRequest(RouterError):
+    """A client request the router refuses (HTTP 400): names the OpenAI `param` at fault."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
 
 
 class LeaseError(PdserveError):

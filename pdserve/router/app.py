@@ -22,6 +22,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 from pydantic import BaseModel, ValidationError
 
+from pdserve.errors import InvalidRequest, NoCapacity, WorkerCallError, WorkerUnreachable
 from pdserve.model.config import load_config
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.router import metrics as metrics_mod
@@ -29,7 +30,6 @@ from pdserve.router.colocated import ColocatedFlow
 from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.disagg import DisaggFlow
 from pdserve.router.dispatcher import Dispatcher
-from pdserve.router.errors import InvalidRequest, NoCapacity, WorkerCallError, WorkerUnreachable
 from pdserve.router.flow import Flow
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.openai_api import OpenAIApi, error_body

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncGenerator
 
-from pdserve.router.errors import NoCapacity, RouterError, WorkerCallError, WorkerUnreachable
+from pdserve.errors import NoCapacity, RouterError, WorkerCallError, WorkerUnreachable
 from pdserve.router.flow import FlowRequest, TokenChunk
 from pdserve.router.policy import rank_colocated
 from pdserve.router.pool import WorkerPool

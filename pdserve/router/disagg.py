@@ -24,7 +24,7 @@ import contextlib
 from collections.abc import AsyncGenerator, Collection, Sequence
 from dataclasses import dataclass
 
-from pdserve.router.errors import NoCapacity, RouterError, WorkerCallError, WorkerUnreachable
+from pdserve.errors import NoCapacity, RouterError, WorkerCallError, WorkerUnreachable
 from pdserve.router.flow import FlowRequest, TokenChunk
 from pdserve.router.policy import WorkerView, pick_prefill, rank_decode
 from pdserve.router.pool import WorkerPool

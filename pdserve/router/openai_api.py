@@ -26,12 +26,18 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.errors import ModelConfigError, SamplingParamsError
+from pdserve.errors import (
+    InvalidRequest,
+    ModelConfigError,
+    NoCapacity,
+    RouterError,
+    SamplingParamsError,
+    WorkerCallError,
+)
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.router import responses, sse
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatcher import Dispatcher
-from pdserve.router.errors import InvalidRequest, NoCapacity, RouterError, WorkerCallError
 from pdserve.router.flow import Flow, FlowRequest
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.openai_models import (

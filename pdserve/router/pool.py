@@ -16,7 +16,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from pdserve.router.errors import RouterError
+from pdserve.errors import RouterError
 from pdserve.router.policy import WorkerView
 from pdserve.router.worker_client import WorkerClient
 from pdserve.worker.protocol import WorkerHealth

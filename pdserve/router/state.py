@@ -22,7 +22,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from pdserve.router.errors import IllegalRequestTransition
+from pdserve.errors import IllegalRequestTransition
 
 
 class RequestState(enum.Enum):

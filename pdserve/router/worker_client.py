@@ -19,7 +19,7 @@ from typing import TypeVar
 import aiohttp
 from pydantic import BaseModel, ValidationError
 
-from pdserve.router.errors import RouterError, WorkerCallError, WorkerUnreachable
+from pdserve.errors import RouterError, WorkerCallError, WorkerUnreachable
 from pdserve.worker.protocol import (
     DecodeRequest,
     ErrorBody,

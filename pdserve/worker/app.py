@@ -28,10 +28,10 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from pdserve.engine.engine import Engine
-from pdserve.errors import EngineError, PdserveError, RequestNotFound
+from pdserve.errors import EngineError, PdserveError, RequestNotFound, WrongRole
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.engine_loop import DeltaQueue, EngineInfo, EngineLoop
-from pdserve.worker.http_errors import WrongRole, error_middleware
+from pdserve.worker.http_errors import error_middleware
 from pdserve.worker.kv_inbox import KVInbox
 from pdserve.worker.kv_outbox import Destination, KVOutbox
 from pdserve.worker.lease_keeper import LeaseKeeper

@@ -33,8 +33,7 @@ from typing import Any, TypeVar
 
 from pdserve.engine.engine import Engine, EngineStats, RequestDelta
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.errors import PromptTooLong, RequestNotFound
-from pdserve.worker.http_errors import NoFreeBlocks
+from pdserve.errors import NoFreeBlocks, PromptTooLong, RequestNotFound
 
 logger = logging.getLogger(__name__)
 

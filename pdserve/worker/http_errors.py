@@ -4,10 +4,6 @@ The mapping is one table (`_STATUS`), read in class order, so a subclass can hav
 status ahead of its base. Validation errors from pydantic name every bad field. A handler
 raises; the middleware renders; no handler builds an error response by hand.
 
-Two worker-level errors live here until they join `pdserve.errors`: `WrongRole` (the endpoint
-is not served by this worker's role) and `NoFreeBlocks` (no KV blocks right now; retryable,
-answered 503 with Retry-After).
-
 It knows aiohttp and the protocol's `ErrorBody`; not engines or transfers.
 """
 
@@ -23,28 +19,19 @@ from aiohttp.typedefs import Middleware
 from pdserve.errors import (
     ConfigError,
     DuplicateRequest,
-    EngineError,
     KVNotReady,
     LeaseError,
+    NoFreeBlocks,
     PdserveError,
     PromptTooLong,
     RequestNotFound,
+    WrongRole,
 )
 from pdserve.worker.protocol import ErrorBody
 
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-class WrongRole(PdserveError):
-    """This worker's role does not serve the endpoint (e.g. /prefill on a decode worker)."""
-
-
-class NoFreeBlocks(EngineError):
-    """Not enough free KV blocks for the request now; another worker or a retry may do."""
-
-    retryable = True
 
 
 # Checked in order: the first class the error is an instance of decides the status.

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from pdserve.router.errors import IllegalRequestTransition
+from pdserve.errors import IllegalRequestTransition
 from pdserve.router.state import TERMINAL, TRANSITIONS, RequestState, RequestTimeline
 
 S = RequestState

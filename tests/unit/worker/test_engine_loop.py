@@ -16,10 +16,9 @@ import pytest
 from pdserve.config import EngineConfig, ModelLoadConfig
 from pdserve.engine.engine import Engine, RequestDelta
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.errors import PromptTooLong
+from pdserve.errors import NoFreeBlocks, PromptTooLong
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.worker.engine_loop import DeltaQueue, EngineLoop
-from pdserve.worker.http_errors import NoFreeBlocks
 
 T = TypeVar("T")
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

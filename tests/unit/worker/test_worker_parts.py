@@ -11,9 +11,9 @@ import pydantic
 import pytest
 
 from pdserve.clock import FakeClock
-from pdserve.errors import ChecksumMismatch, PromptTooLong, RequestNotFound
+from pdserve.errors import ChecksumMismatch, NoFreeBlocks, PromptTooLong, RequestNotFound, WrongRole
 from pdserve.worker.config import WorkerConfig
-from pdserve.worker.http_errors import NoFreeBlocks, WrongRole, error_response
+from pdserve.worker.http_errors import error_response
 from pdserve.worker.lease_keeper import LeaseKeeper
 from pdserve.worker.main import build_config, build_parser, main
 from pdserve.worker.protocol import GenerateRequest
