@@ -46,6 +46,7 @@ class ClusterStatus:
     """The router and its workers."""
 
     router_url: str
+    router_pid: int | None
     status: str
     mode: str
     model: str
@@ -104,8 +105,10 @@ def collect_status(router_url: str, timeout_s: float = 3.0) -> ClusterStatus:
                 h.transfer_address,
             )
         )
+    pid = router.get("pid")
     return ClusterStatus(
         router_url,
+        pid if isinstance(pid, int) else None,
         str(router.get("status")),
         str(router.get("mode")),
         str(router.get("model")),
@@ -120,7 +123,8 @@ def render_json(status: ClusterStatus) -> str:
 def render_table(status: ClusterStatus) -> str:
     """A fixed-width table; fingerprints shortened to 12 hex digits (groups stay visible)."""
     lines = [
-        f"router {status.router_url}  status {status.status}  mode {status.mode}  "
+        f"router {status.router_url}  pid {status.router_pid}  status {status.status}  "
+        f"mode {status.mode}  "
         f"model {status.model}",
         f"{'worker':<12}{'role':<9}{'pid':>8}  {'url':<24}{'fingerprint':<14}"
         f"{'free/total':>12}{'pinned':>8}{'run':>5}{'wait':>5}",

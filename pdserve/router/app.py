@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 from collections.abc import Awaitable, Callable
 
 import aiohttp
@@ -59,6 +60,7 @@ class RouterHealth(BaseModel):
     """GET /health."""
 
     status: str  # "ok" when some request can be served in the current mode, else "degraded"
+    pid: int
     mode: Mode
     model: str
     compatible_digest: str | None
@@ -122,6 +124,7 @@ class _Routes:
         ok = any(w.healthy and w.role in needed for w in workers)
         body = RouterHealth(
             status="ok" if ok else "degraded",
+            pid=os.getpid(),
             mode=mode,
             model=self._config.model_name,
             compatible_digest=compatible_digest(views),

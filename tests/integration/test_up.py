@@ -120,6 +120,7 @@ def test_up_serves_status_and_stops_cleanly(cluster, tiny_model_path: Path) -> N
     assert status.returncode == 0, status.stderr
     info = json.loads(status.stdout)
     assert info["mode"] == "disagg"
+    assert info["router_pid"] in [c["pid"] for c in json.loads(state_file.read_text())["children"]]
     roles = sorted(w["role"] for w in info["workers"])
     assert roles == ["both", "prefill"]
     assert len({w["fingerprint"] for w in info["workers"]}) == 1
