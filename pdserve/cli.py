@@ -14,31 +14,26 @@ from collections.abc import Sequence
 from pdserve.errors import PdserveError
 
 
-def _positive_int(text: str) -> int:
+def _int_in(text: str, low: int, high: int | None, what: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if value < low or (high is not None and value > high):
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _int_in(text, 1, None, "a positive integer")
 
 
 def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+    return _int_in(text, 0, None, "an integer >= 0")
 
 
 def _port(text: str) -> int:
-    value = _non_negative_int(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"expected a port 0..65535, got {value}")
-    return value
+    return _int_in(text, 0, 65535, "a port 0..65535")
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
