@@ -40,6 +40,18 @@ class PrefillSpan:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Single-token sequences of similar context length, attended in one padded call."""
+
+    # [Bd] positions in the flattened batch of this group's tokens.
+    token_indices: torch.Tensor
+    # [Bd, max_blocks] block tables, padded with block 0.
+    block_tables: torch.Tensor
+    # [Bd, 1, 1, S] bool hiding the padding of shorter sequences; None without padding.
+    mask: torch.Tensor | None
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Where each new token's K/V goes and which cached tokens each query attends to."""
 
@@ -47,15 +59,8 @@ class AttentionMetadata:
     slot_block: torch.Tensor
     slot_offset: torch.Tensor
     prefills: list[PrefillSpan]
-    # [Bd] positions in the flattened batch of the single-token (decode) sequences.
-    decode_token_indices: torch.Tensor
-    # [Bd, max_blocks] block tables of the decode sequences, padded with block 0.
-    decode_block_tables: torch.Tensor
-    # [Bd] context length of each decode sequence, including its new token.
-    decode_context_lens: torch.Tensor
-    # [Bd, 1, 1, S] bool hiding the padding of shorter decode sequences; None without padding.
-    # Built once per step, not once per layer.
-    decode_mask: torch.Tensor | None = None
+    # Decode sequences, grouped by context length so short ones do not pay for the longest.
+    decode_groups: list[DecodeGroup]
 
 
 def write_kv(
@@ -102,20 +107,18 @@ def paged_attention(
             enable_gqa=True,
         )
         out[span.query_start : span.query_start + span.query_len] = o[0].transpose(0, 1)
-    if meta.decode_token_indices.numel():
-        k, v = _gather(kv_cache, layer, meta.decode_block_tables)  # [Bd, S, KVH, D]
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
-        qd = q[meta.decode_token_indices]  # [Bd, H, D]
+    for group in meta.decode_groups:
+        k, v = _gather(kv_cache, layer, group.block_tables)  # [Bd, S, KVH, D]
+        qd = q[group.token_indices]  # [Bd, H, D]
         o = F.scaled_dot_product_attention(
             qd.unsqueeze(2),  # [Bd, H, 1, D]
-            k.transpose(1, 2),  # [Bd, KVH, S, D]
-            v.transpose(1, 2),
-            attn_mask=meta.decode_mask,
+            k.to(q.dtype).transpose(1, 2),  # [Bd, KVH, S, D]
+            v.to(q.dtype).transpose(1, 2),
+            attn_mask=group.mask,
             scale=scale,
             enable_gqa=True,
         )
-        out[meta.decode_token_indices] = o.squeeze(2)
+        out[group.token_indices] = o.squeeze(2)
     return out
 
 
@@ -151,25 +154,53 @@ def build_metadata(
             span = PrefillSpan(query_start, end - start, end, torch.tensor(ctx_table), mask)
             prefills.append(span)
         query_start += end - start
-    width = max((len(t) for t in dec_tables), default=0)
-    lens = torch.tensor(dec_lens, dtype=torch.long)
-    decode_mask = None
-    if dec_lens and min(dec_lens) < width * block_size:
-        # A mask costs ~2x in SDPA on CPU; without padding (batch-1 decode) there is none.
-        decode_mask = (torch.arange(width * block_size).unsqueeze(0) < lens.unsqueeze(1))[
-            :, None, None, :
-        ]
     return AttentionMetadata(
         slot_block=torch.tensor(slot_block, dtype=torch.long),
         slot_offset=torch.tensor(slot_offset, dtype=torch.long),
         prefills=prefills,
-        decode_token_indices=torch.tensor(dec_idx, dtype=torch.long),
-        # [Bd, width] padded with block 0; the mask hides the padding.
-        decode_block_tables=torch.tensor(
-            [t + [0] * (width - len(t)) for t in dec_tables], dtype=torch.long
-        ).reshape(len(dec_tables), width),
-        decode_context_lens=lens,
-        decode_mask=decode_mask,
+        decode_groups=[
+            _decode_group(
+                [dec_idx[i] for i in g],
+                [dec_tables[i] for i in g],
+                [dec_lens[i] for i in g],
+                block_size,
+            )
+            for g in _group_by_width([len(t) for t in dec_tables])
+        ],
+    )
+
+
+def _group_by_width(widths: list[int], max_groups: int = 4) -> list[list[int]]:
+    """Indices of `widths` split into at most `max_groups` runs of similar width.
+
+    Padded attention costs (sequences x widest table); a new group starts when the next
+    sequence is over 1.5x wider than the group's narrowest, which bounds padding per group.
+    """
+    order = sorted(range(len(widths)), key=lambda i: widths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (widths[i] <= 1.5 * widths[groups[-1][0]] or len(groups) == max_groups):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _decode_group(
+    token_indices: list[int], tables: list[list[int]], lens: list[int], block_size: int
+) -> DecodeGroup:
+    width = max(len(t) for t in tables)
+    lens_t = torch.tensor(lens, dtype=torch.long)
+    mask = None
+    if min(lens) < width * block_size:
+        # A mask costs ~2x in SDPA on CPU; without padding (batch-1 decode) there is none.
+        mask = (torch.arange(width * block_size).unsqueeze(0) < lens_t.unsqueeze(1))[
+            :, None, None, :
+        ]
+    return DecodeGroup(
+        token_indices=torch.tensor(token_indices, dtype=torch.long),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long),
+        mask=mask,
     )
 
 
