@@ -124,9 +124,24 @@ class Engine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         hold_kv: bool = False,
+        output_token_ids: list[int] | None = None,
     ) -> Request:
-        """Queue a request; with `hold_kv` its blocks outlive it until `release`."""
+        """Queue a request; with `hold_kv` its blocks outlive it until `release`.
+
+        `output_token_ids` resumes a request that another engine had started (migration):
+        they are recomputed like the prompt, and sampling continues at the next token index,
+        so greedy and seeded output equal an uninterrupted run.
+        """
         request = self._new_request(request_id, prompt_token_ids, params)
+        if output_token_ids:
+            vocab = self.model.config.vocab_size
+            bad = [t for t in output_token_ids if not 0 <= t < vocab]
+            if bad or len(output_token_ids) >= params.max_tokens:
+                raise ConfigError(
+                    f"request {request_id}: cannot resume after {len(output_token_ids)} tokens "
+                    f"(max_tokens {params.max_tokens}, out-of-range ids {bad[:5]})"
+                )
+            request.output_token_ids.extend(output_token_ids)
         request.hold_kv = hold_kv
         self.scheduler.add(request)
         return request

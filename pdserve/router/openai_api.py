@@ -167,6 +167,7 @@ class OpenAIApi:
                 top_p=body.top_p,
                 seed=body.seed,
                 stop=tuple(body.stop_list()),
+                ignore_eos=body.ignore_eos,
             )
         except SamplingParamsError as exc:
             field = str(exc).split(":", 1)[0]

@@ -2,8 +2,8 @@
 
 Requests ignore fields pdserve does not implement (clients send many optional ones) but type
 check every field it does; value ranges are checked when the sampling parameters are built
-(`openai_api`), so each error names its field as the OpenAI `param`. `top_k` is an extension
-(as in vLLM). Only `n == 1` is served.
+(`openai_api`), so each error names its field as the OpenAI `param`. `top_k` and `ignore_eos`
+are extensions (as in vLLM). Only `n == 1` is served.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ class SamplingFields(_Request):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    # Extension (as in vLLM): keep generating past the model's EOS token.
+    ignore_eos: bool = False
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False

@@ -256,7 +256,10 @@ class WorkerAPI:
             )
         body = await _parse(request, GenerateRequest)
         queue = await self.engine.add(
-            body.request_id, body.prompt_token_ids, body.sampling.to_params()
+            body.request_id,
+            body.prompt_token_ids,
+            body.sampling.to_params(),
+            output_token_ids=body.output_token_ids,
         )
         done = False
         try:

@@ -127,12 +127,20 @@ class EngineLoop:
         prompt_token_ids: list[int],
         params: SamplingParams,
         hold_kv: bool = False,
+        output_token_ids: list[int] | None = None,
     ) -> DeltaQueue:
-        """Queue a request; its deltas arrive on the returned queue until one is finished."""
+        """Queue a request (resuming after `output_token_ids` if given); its deltas arrive on
+        the returned queue until one is finished."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
 
         def add(engine: Engine) -> None:
-            engine.add_request(request_id, prompt_token_ids, params, hold_kv=hold_kv)
+            engine.add_request(
+                request_id,
+                prompt_token_ids,
+                params,
+                hold_kv=hold_kv,
+                output_token_ids=output_token_ids,
+            )
             self._streams[request_id] = stream
 
         await self.call(add)

@@ -152,6 +152,9 @@ class GenerateRequest(_Model):
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingModel
+    # Tokens already sent to the client by a worker that died: generation resumes after them
+    # (migration). The stream carries only the tokens that follow.
+    output_token_ids: list[int] = Field(default_factory=list)
 
 
 class TokenEvent(_Model):
