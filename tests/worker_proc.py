@@ -154,3 +154,34 @@ def worker_factory(tmp_path: Path) -> Iterator[Callable[..., WorkerHandle]]:
             return handle
 
         yield start
+
+
+@contextlib.contextmanager
+def router_process(
+    workdir: Path, model: Path | str, worker_urls: Sequence[str], mode: str = "disagg"
+) -> Iterator[str]:
+    """`python -m pdserve.router.main` over `worker_urls`; yields its URL, then SIGTERM by PID
+    (which must exit 0), SIGKILL if it does not stop."""
+    ready = workdir / "router.ready.json"
+    args = [sys.executable, "-m", "pdserve.router.main", "--model", str(model)]
+    args += ["--ready-file", str(ready), "--mode", mode]
+    for url in worker_urls:
+        args += ["--worker", url]
+    with (workdir / "router.log").open("wb") as log:
+        router = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert router.poll() is None, (workdir / "router.log").read_text()
+            assert time.monotonic() < deadline, "router not ready in 30 s"
+            time.sleep(0.05)
+        info = json.loads(ready.read_text())
+        assert info["pid"] == router.pid
+        yield str(info["url"])
+        os.kill(router.pid, signal.SIGTERM)
+        assert router.wait(10) == 0
+    finally:
+        if router.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(router.pid, signal.SIGKILL)
+            router.wait(5)

@@ -3,19 +3,21 @@ with no token lost or repeated, and the text equals the fault-free text (greedy 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from worker_proc import WorkerHandle, launch_worker, wait_ready, worker_processes
+from worker_proc import (
+    WorkerHandle,
+    launch_worker,
+    router_process,
+    wait_ready,
+    worker_processes,
+)
 
 
 @pytest.fixture
@@ -27,27 +29,8 @@ def cluster(tiny_model_path: Path, tmp_path: Path) -> Iterator[tuple[str, list[W
             handles.append(launch_worker(role, workdir, model=tiny_model_path))
         for handle in handles:
             wait_ready(handle)
-        ready = workdir / "router.ready.json"
-        args = [sys.executable, "-m", "pdserve.router.main", "--model", str(tiny_model_path)]
-        args += ["--ready-file", str(ready), "--mode", "disagg"]
-        for handle in handles:
-            args += ["--worker", handle.url]
-        with (workdir / "router.log").open("wb") as log:
-            router = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 30
-            while not ready.exists():
-                assert router.poll() is None and time.monotonic() < deadline
-                time.sleep(0.05)
-            yield str(json.loads(ready.read_text())["url"]), handles
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(router.pid, signal.SIGTERM)
-            try:
-                router.wait(10)
-            except subprocess.TimeoutExpired:
-                os.kill(router.pid, signal.SIGKILL)
-                router.wait(5)
+        with router_process(workdir, tiny_model_path, [h.url for h in handles]) as url:
+            yield url, handles
 
 
 def health(url: str) -> dict[str, object]:

@@ -8,20 +8,14 @@ comparable token for token with the colocated text.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from worker_proc import launch_worker, wait_ready, worker_processes
+from worker_proc import launch_worker, router_process, wait_ready, worker_processes
 
 from pdserve.router import sse
 
@@ -46,29 +40,8 @@ def router_url(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) 
             handles.append(launch_worker(role, workdir, model=tiny_model_path))
         for handle in handles:
             wait_ready(handle)
-        ready = workdir / "router.ready.json"
-        args = [sys.executable, "-m", "pdserve.router.main", "--model", str(tiny_model_path)]
-        args += ["--ready-file", str(ready), "--mode", "disagg"]
-        for handle in handles:
-            args += ["--worker", handle.url]
-        with (workdir / "router.log").open("wb") as log:
-            router = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 30
-            while not ready.exists():
-                assert router.poll() is None, (workdir / "router.log").read_text()
-                assert time.monotonic() < deadline, "router not ready in 30 s"
-                time.sleep(0.05)
-            info = json.loads(ready.read_text())
-            assert info["pid"] == router.pid
-            yield str(info["url"])
-            os.kill(router.pid, signal.SIGTERM)
-            assert router.wait(10) == 0
-        finally:
-            if router.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(router.pid, signal.SIGKILL)
-                router.wait(5)
+        with router_process(workdir, tiny_model_path, [h.url for h in handles]) as url:
+            yield url
 
 
 def set_mode(url: str, mode: str) -> None:
