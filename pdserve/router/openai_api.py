@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import secrets
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -165,7 +166,9 @@ class OpenAIApi:
                 temperature=body.temperature,
                 top_k=body.top_k,
                 top_p=body.top_p,
-                seed=body.seed,
+                # Drawn here when absent, so the prefill, decode and any migration target all
+                # sample with one seed: a replay then continues the same random stream.
+                seed=body.seed if body.seed is not None else secrets.randbits(63),
                 stop=tuple(body.stop_list()),
                 ignore_eos=body.ignore_eos,
             )
