@@ -13,8 +13,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.errors import ConfigError, EngineError
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from pdserve.model.weights import TORCH_DTYPES
 
 
 class KVCache:
@@ -29,14 +28,14 @@ class KVCache:
         head_dim: int,
         dtype: str = "float32",
     ) -> None:
-        if dtype not in _DTYPES:
-            raise ConfigError(f"kv cache dtype: {dtype!r} is not one of {', '.join(_DTYPES)}")
+        if dtype not in TORCH_DTYPES:
+            raise ConfigError(f"kv cache dtype: {dtype!r} is not one of {', '.join(TORCH_DTYPES)}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
         # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
         self.tensor = torch.zeros(
-            num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim, dtype=_DTYPES[dtype]
+            num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim, dtype=TORCH_DTYPES[dtype]
         )
         self._bytes = self.tensor.view(-1).view(torch.uint8).numpy()
         self.block_bytes = self._bytes.nbytes // num_blocks
@@ -48,7 +47,7 @@ class KVCache:
         num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: str
     ) -> int:
         """Bytes one block occupies across all layers."""
-        itemsize = torch.tensor([], dtype=_DTYPES[dtype]).element_size()
+        itemsize = torch.tensor([], dtype=TORCH_DTYPES[dtype]).element_size()
         return num_layers * 2 * block_size * num_kv_heads * head_dim * itemsize
 
     def block_views(self, block_ids: list[int]) -> list[memoryview]:

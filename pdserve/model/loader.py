@@ -12,11 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.config import QUANTIZATIONS
 from pdserve.errors import ConfigError, ModelConfigError
 from pdserve.model.config import ModelConfig, load_config
 from pdserve.model.fingerprint import Fingerprint
 from pdserve.model.llama import LlamaModel
-from pdserve.model.quant import QUANTIZATIONS, quantize_linears
+from pdserve.model.quant import quantize_linears
 from pdserve.model.tiny import default_model_path
 from pdserve.model.tokenizer import TOKENIZER_FILE, Tokenizer
 from pdserve.model.weights import TORCH_DTYPES, load_weights

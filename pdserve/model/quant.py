@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-QUANTIZATIONS = (None, "int8")
 # Largest int8 magnitude used: symmetric, so -128 is never produced.
 _QMAX = 127.0
 
