@@ -217,7 +217,14 @@ async def create_app(config: RouterConfig) -> web.Application:
     client = WorkerClient(session, ClientTimeouts())
     pool = WorkerPool(config.workers, client, config.health_poll_interval_s)
     flows: dict[Mode, Flow] = {
-        "disagg": DisaggFlow(pool, client, tokenizer.eos_token_ids, lease_ttl_s=config.lease_ttl_s),
+        "disagg": DisaggFlow(
+            pool,
+            client,
+            tokenizer.eos_token_ids,
+            recovery=config.recovery,
+            lease_ttl_s=config.lease_ttl_s,
+            on_kv_outcome=None,  # the circuit breaker is wired here
+        ),
         "colocated": ColocatedFlow(pool, client),
     }
     dispatcher = Dispatcher(config.mode, flows)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -18,6 +18,83 @@ def parse_mode(value: str) -> Mode:
         if value == mode:
             return mode
     raise ConfigError(f"mode: {value!r} is not one of {', '.join(MODES)}")
+
+
+# Recovery steps after a failed KV handoff, in the order the router may try them:
+#   retry_transfer  the prefill worker resends from its held snapshot (backoff + jitter)
+#   reprefill       a fresh reservation and prefill on another prefill worker
+#   local_prefill   the decode side recomputes the prompt itself (no transfer)
+RECOVERY_STEPS = ("retry_transfer", "reprefill", "local_prefill")
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerConfig:
+    """The KV-path circuit breaker: when it trips, new requests run colocated."""
+
+    enabled: bool = True
+    # Outcomes (KV handoffs) remembered, and the least needed before the breaker may trip.
+    window: int = 20
+    min_samples: int = 5
+    # Trip when failures / outcomes in the window reach this.
+    failure_rate: float = 0.5
+    # Seconds open before one disaggregated probe request is let through (half-open).
+    cooldown_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or not 1 <= self.min_samples <= self.window:
+            raise ConfigError(
+                f"breaker: need window >= 1 and 1 <= min_samples <= window,"
+                f" got window={self.window} min_samples={self.min_samples}"
+            )
+        if not 0.0 < self.failure_rate <= 1.0:
+            raise ConfigError(f"breaker-failure-rate: must be in (0, 1], got {self.failure_rate}")
+        if self.cooldown_s <= 0:
+            raise ConfigError(f"breaker-cooldown-s: must be > 0, got {self.cooldown_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryConfig:
+    """What the router does when a handoff fails, in order, each step budgeted."""
+
+    steps: tuple[str, ...] = RECOVERY_STEPS
+    # Sends per transfer (first try included) when retry_transfer is on; 1 otherwise.
+    transfer_attempts: int = 4
+    # Extra prefills on other prefill workers (reprefill).
+    max_reprefills: int = 1
+    # Other decode workers a stream may move to after the decode side died mid-stream.
+    max_migrations: int = 2
+    # When every decode worker refuses a reservation: wait up to this long for one (0: 503
+    # at once), with at most `max_queued` requests waiting at a time.
+    queue_timeout_s: float = 5.0
+    max_queued: int = 64
+
+    def __post_init__(self) -> None:
+        unknown = [s for s in self.steps if s not in RECOVERY_STEPS]
+        if unknown or len(set(self.steps)) != len(self.steps):
+            raise ConfigError(
+                f"recovery: {','.join(self.steps)!r} must be distinct steps from"
+                f" {', '.join(RECOVERY_STEPS)}"
+            )
+        for name in ("transfer_attempts",):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("max_reprefills", "max_migrations", "max_queued"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.queue_timeout_s < 0:
+            raise ConfigError(f"queue-timeout-s: must be >= 0, got {self.queue_timeout_s}")
+
+    @property
+    def send_attempts(self) -> int:
+        """Sends the prefill worker may make for one transfer."""
+        return self.transfer_attempts if "retry_transfer" in self.steps else 1
+
+
+def parse_recovery(value: str) -> tuple[str, ...]:
+    """ "retry_transfer,reprefill" as a tuple of steps ("" or "none": no recovery)."""
+    if value.strip() in ("", "none"):
+        return ()
+    return tuple(part.strip() for part in value.split(","))
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +117,8 @@ class RouterConfig:
     health_poll_interval_s: float = 1.0
     # How long a decode reservation (and the prefill KV) waits for its transfer.
     lease_ttl_s: float = 30.0
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
 
     def __post_init__(self) -> None:
         if not self.workers:

@@ -1,7 +1,8 @@
 """The disaggregated request path: reserve on decode, prefill elsewhere, stream, decode.
 
     ROUTED(P, D)   policy picks a decode worker D and a prefill worker P with D's digest
-    RESERVED       POST D/reserve; refused or unreachable → RETRYING → the next D; none → 503
+    RESERVED       POST D/reserve; refused → RETRYING → the next D; all refused → a bounded
+                   wait for capacity (the queue), then 503 with Retry-After
     PREFILLING     POST P/prefill with the reservation (P pushes the KV to D afterwards)
     PREFILLED      the first token goes to the client at once
     TRANSFERRING   POST D/decode with first_token_id; D waits for verified KV
@@ -9,28 +10,37 @@
     FINISHED
 
 Invariant 5 (reserve before prefill): `/prefill` is only ever called with a reservation this
-flow obtained, so a refused reservation never wastes a prefill. A retryable prefill failure
-(P died, P full) releases the reservation and starts over with a fresh one, skipping P, under a
-worker-side request id suffixed with the attempt so the old one cannot collide.
+flow obtained, so a refused reservation never wastes a prefill.
 
-Migration (invariant 4, exactly-once tokens): once tokens reached the client, a failing decode
-side is replaced by a `both` worker that resumes after exactly those tokens (`/generate` with
-`output_token_ids`); sampling is keyed by token index, so greedy and seeded text equal a run
-without the fault. At most `max_migrations` workers are tried.
+Recovery follows `RecoveryConfig.steps`, in order, each within its budget:
+- **retry_transfer**: P resends the held snapshot itself (`transfer_attempts`, backoff + jitter
+  inside the lease); the router only sees the end result.
+- **reprefill**: P died or its transfer failed for good: a fresh reservation and a prefill on
+  another prefill worker, under a worker-side id suffixed `.rN` so the old one cannot collide.
+- **local_prefill**: no prefill worker could do it: a decode worker (D itself first) recomputes
+  the prompt and the tokens already sent (`/generate` with `output_token_ids`): no transfer.
+Every failed handoff is reported to `on_kv_outcome` (the circuit breaker), as is every commit.
 
-Whatever ends the stream early — an error, the client leaving, a stop string — the reservation
+Migration (invariant 4, exactly-once tokens): once the KV was committed, a failing decode side
+is replaced by another decode worker that resumes after exactly the tokens the client has;
+sampling is keyed by token index, so greedy and seeded text equal a run without the fault. At
+most `max_migrations` workers are tried.
+
+Whatever ends the stream early (an error, the client leaving, a stop string) the reservation
 on D and any KV held on P are released before the generator finishes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Collection, Sequence
+from collections.abc import AsyncGenerator, Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from pdserve.errors import NoCapacity, RouterError, WorkerCallError, WorkerUnreachable
+from pdserve.router.config import RecoveryConfig
 from pdserve.router.flow import FlowRequest, TokenChunk
-from pdserve.router.policy import WorkerView, pick_prefill, rank_colocated, rank_decode
+from pdserve.router.policy import WorkerView, pick_prefill, rank_decode
 from pdserve.router.pool import WorkerPool
 from pdserve.router.state import RequestState as S
 from pdserve.router.worker_client import WorkerClient
@@ -42,7 +52,13 @@ from pdserve.worker.protocol import (
     PrefillResult,
     Reservation,
     ReserveRequest,
+    TokenEvent,
 )
+
+# (ok, reason): one KV handoff succeeded (the decode side committed verified KV) or failed.
+KVOutcome = Callable[[bool, str], None]
+# Pause between rounds of reservations while a request waits in the queue for capacity.
+_QUEUE_POLL_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +71,28 @@ class _Leg:
     reservation: Reservation
 
 
+class _PrefillSideFailed(Exception):
+    """Every allowed prefill attempt failed on the prefill side (not for lack of decode)."""
+
+    def __init__(self, cause: RouterError, tried: Collection[str]) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+        self.tried = set(tried)
+
+
+class _HandoffFailed(Exception):
+    """The decode side failed before it committed verified KV (so before any decode token)."""
+
+    def __init__(self, cause: RouterError) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+def _recoverable(exc: RouterError) -> bool:
+    """Failures another worker may not share (dead, full, broken stream), as workers mark them."""
+    return exc.retryable
+
+
 class DisaggFlow:
     """Runs requests across a prefill and a decode worker."""
 
@@ -63,108 +101,175 @@ class DisaggFlow:
         pool: WorkerPool,
         client: WorkerClient,
         eos_token_ids: Sequence[int],
-        max_prefill_attempts: int = 2,
+        recovery: RecoveryConfig | None = None,
         lease_ttl_s: float = 30.0,
-        max_migrations: int = 2,
+        on_kv_outcome: KVOutcome | None = None,
     ) -> None:
         self._pool = pool
         self._client = client
         self._eos_token_ids = frozenset(eos_token_ids)
-        self._max_prefill_attempts = max_prefill_attempts
+        self._recovery = recovery or RecoveryConfig()
         self._lease_ttl_s = lease_ttl_s
-        self._max_migrations = max_migrations
+        # Told the outcome of every KV handoff (the circuit breaker listens here).
+        self._on_kv_outcome = on_kv_outcome or (lambda ok, reason: None)
+        self._num_queued = 0
+
+    @property
+    def num_queued(self) -> int:
+        """Requests now waiting for a decode reservation."""
+        return self._num_queued
 
     async def stream(self, request: FlowRequest) -> AsyncGenerator[TokenChunk, None]:
-        """The request's tokens: the prefill's first token, then the decode worker's stream.
-
-        If the decode side fails after the first token (worker died, stream broken, KV never
-        verified), the request migrates: a `both` worker resumes after the tokens the client
-        already has, so each token reaches the client exactly once.
-        """
+        """The request's tokens: the prefill's first token, then the decode worker's stream."""
         timeline = request.timeline
-        leg, first = await self._prefill_with_retries(request)
-        # Every token the client has been sent, in order: the resume point of a migration.
+        steps = self._recovery.steps
+        reprefills = self._recovery.max_reprefills if "reprefill" in steps else 0
+        # Every token the client has been sent, in order: the resume point of any recovery.
         sent: list[int] = []
-        # True once nothing is held for the request on either worker any more.
-        settled = False
+        leg: _Leg | None = None
         try:
-            with self._pool.inflight(leg.decode_url):
-                timeline.advance(S.PREFILLED, f"first_token={first.first_token_id}")
-                finish = self._first_token_finishes(request, first.first_token_id)
-                if finish is not None:
-                    timeline.advance(S.FINISHED, f"first token: {finish}")
-                    yield TokenChunk([first.first_token_id], finish)
-                    return
-                sent.append(first.first_token_id)
-                yield TokenChunk([first.first_token_id])
+            try:
+                leg, first, used = await self._prefill_with_retries(request, 1 + reprefills, ())
+            except _PrefillSideFailed as failed:
+                if "local_prefill" not in steps:
+                    raise failed.cause from None
+                timeline.advance(S.RETRYING, f"local prefill: {failed.cause}")
+                async for chunk in self._resume(request, sent, None, "local prefill"):
+                    yield chunk
+                return
+            reprefills -= used - 1
+            timeline.advance(S.PREFILLED, f"first_token={first.first_token_id}")
+            finish = self._first_token_finishes(request, first.first_token_id)
+            if finish is not None:
+                timeline.advance(S.FINISHED, f"first token: {finish}")
+                yield TokenChunk([first.first_token_id], finish)
+                return
+            sent.append(first.first_token_id)
+            yield TokenChunk([first.first_token_id])
+            while True:
+                current = leg
                 try:
-                    async for chunk in self._decode(request, leg, first):
+                    async for chunk in self._decode(request, current, sent[0]):
                         sent.extend(chunk.token_ids)
                         if chunk.finish_reason is not None:
-                            settled = True
+                            # Before the yield: the consumer may close us right there.
+                            leg = None  # finished: the worker freed everything itself
                         yield chunk
-                        if settled:
+                        if leg is None:
                             return
-                    raise WorkerUnreachable(leg.decode_url, "decode stream ended before finished")
+                    raise WorkerUnreachable(current.decode_url, "decode stream ended early")
+                except _HandoffFailed as failed:
+                    self._on_kv_outcome(False, str(failed.cause))
+                    leg = None
+                    await self._forget_leg(current, failed.cause)
+                    cause = failed.cause
+                    if reprefills > 0:
+                        reprefills -= 1
+                        timeline.advance(S.RETRYING, f"handoff failed, re-prefill: {cause}")
+                        try:
+                            leg, _, _ = await self._prefill_with_retries(
+                                request, 1, (current.prefill_url,)
+                            )
+                            timeline.advance(S.PREFILLED, "re-prefilled")
+                            continue
+                        except _PrefillSideFailed as again:
+                            cause = again.cause
+                        except RouterError as again:
+                            if not _recoverable(again):
+                                raise
+                            cause = again
+                    if "local_prefill" not in steps:
+                        raise cause from None
+                    timeline.advance(S.RETRYING, f"local prefill: {cause}")
+                    # The decode worker that had been chosen recomputes, if it is still up.
+                    label, prefer = "local prefill", current.decode_url
                 except RouterError as exc:
-                    if not exc.retryable and not isinstance(exc, WorkerCallError):
+                    if not _recoverable(exc):
                         raise
-                    if isinstance(exc, WorkerUnreachable):
-                        self._pool.mark_failed(leg.decode_url, str(exc))
-                    await self._client.release_quietly(leg.decode_url, leg.worker_request_id)
-                    await self._client.release_quietly(leg.prefill_url, leg.worker_request_id)
-                    settled = True
+                    leg = None
+                    await self._forget_leg(current, exc)
                     timeline.advance(S.RETRYING, f"migrate after {len(sent)} tokens: {exc}")
-            async for chunk in self._migrate(request, leg, sent):
+                    label, prefer = "migration", None
+                break
+            async for chunk in self._resume(request, sent, prefer, label):
                 yield chunk
         except RouterError as exc:
             timeline.fail(str(exc))
             raise
         finally:
-            if not settled:
-                # Closed early, failed, or finished by the first token: D still holds the
-                # reservation (or the sequence), P may hold KV awaiting transfer.
-                await self._client.release_quietly(leg.decode_url, leg.worker_request_id)
-                await self._client.release_quietly(leg.prefill_url, leg.worker_request_id)
+            if leg is not None:
+                # Closed early or failed: D still holds the reservation (or the sequence), P
+                # may hold KV awaiting transfer.
+                await self._release(leg)
             timeline.fail("closed before the worker finished")
 
+    async def _release(self, leg: _Leg) -> None:
+        await self._client.release_quietly(leg.decode_url, leg.worker_request_id)
+        await self._client.release_quietly(leg.prefill_url, leg.worker_request_id)
+
+    async def _forget_leg(self, leg: _Leg, exc: RouterError) -> None:
+        """Take a dead decode worker out of selection and release the leg's holds."""
+        if isinstance(exc, WorkerUnreachable):
+            self._pool.mark_failed(leg.decode_url, str(exc))
+        await self._release(leg)
+
     async def _decode(
-        self, request: FlowRequest, leg: _Leg, first: PrefillResult
+        self, request: FlowRequest, leg: _Leg, first_token_id: int
     ) -> AsyncGenerator[TokenChunk, None]:
+        """D's stream after the first token; `_HandoffFailed` for a failure before commit."""
         timeline = request.timeline
         timeline.advance(S.TRANSFERRING, leg.decode_url)
         decode = DecodeRequest(
-            request_id=leg.worker_request_id, first_token_id=first.first_token_id
+            request_id=leg.worker_request_id,
+            first_token_id=first_token_id,
+            # Past the reservation's lease the KV can no longer land anyway.
+            kv_timeout_s=self._lease_ttl_s,
         )
-        async with contextlib.aclosing(self._client.decode(leg.decode_url, decode)) as s:
-            async for event in s:
-                if timeline.state is S.TRANSFERRING:
-                    timeline.advance(S.COMMITTED)
-                if event.error is not None or event.finish_reason == "error":
-                    raise _stream_error(leg.decode_url, event.error)
-                if event.token_ids and timeline.state is S.COMMITTED:
-                    timeline.advance(S.DECODING)
-                if event.finished:
-                    timeline.advance(S.FINISHED, event.finish_reason or "")
-                    yield TokenChunk(event.token_ids, event.finish_reason or "stop")
-                    return
-                yield TokenChunk(event.token_ids)
+        committed = False
+        try:
+            with self._pool.inflight(leg.decode_url):
+                async with contextlib.aclosing(self._client.decode(leg.decode_url, decode)) as s:
+                    async for event in s:
+                        if event.error is not None or event.finish_reason == "error":
+                            raise _stream_error(leg.decode_url, event)
+                        if not committed:
+                            committed = True
+                            timeline.advance(S.COMMITTED)
+                            self._on_kv_outcome(True, "")
+                        if event.token_ids and timeline.state is S.COMMITTED:
+                            timeline.advance(S.DECODING)
+                        if event.finished:
+                            timeline.advance(S.FINISHED, event.finish_reason or "")
+                            yield TokenChunk(event.token_ids, event.finish_reason or "stop")
+                            return
+                        yield TokenChunk(event.token_ids)
+        except RouterError as exc:
+            # Before the commit any failure (D dead, KV never verified, reservation gone) is
+            # the handoff's; after it, the decode's.
+            if committed or (isinstance(exc, WorkerCallError) and exc.status == 400):
+                raise
+            raise _HandoffFailed(exc) from exc
 
-    async def _migrate(
-        self, request: FlowRequest, leg: _Leg, sent: list[int]
+    async def _resume(
+        self, request: FlowRequest, sent: list[int], prefer: str | None, label: str
     ) -> AsyncGenerator[TokenChunk, None]:
-        """Resume on another `both` worker after `sent`; each failure moves on, up to a budget."""
+        """Run the request on a decode worker from after `sent`, prompt recomputed there."""
         timeline = request.timeline
-        failed = {leg.decode_url}
-        for n in range(1, self._max_migrations + 1):
-            candidates = rank_colocated(self._pool.snapshot(), exclude=failed)
+        failed: set[str] = set()
+        budget = max(1, self._recovery.max_migrations)
+        for n in range(1, budget + 1):
+            candidates = [v.url for v in rank_decode(self._pool.snapshot(), exclude=failed)]
+            if prefer in candidates:
+                candidates.remove(prefer)
+                candidates.insert(0, prefer)
             if not candidates:
                 raise NoCapacity(
-                    f"no worker to migrate {request.request_id} to (failed {sorted(failed)})"
+                    f"{label} of {request.request_id}: no decode worker left"
+                    f" (failed {sorted(failed)})"
                 )
-            url = candidates[0].url
-            rid = f"{leg.worker_request_id}.m{n}"
-            timeline.advance(S.ROUTED, f"migrate to {url} after {len(sent)} tokens")
+            url = candidates[0]
+            rid = f"{request.request_id}.m{n}"
+            timeline.advance(S.ROUTED, f"{label} to {url} after {len(sent)} tokens")
             body = GenerateRequest(
                 request_id=rid,
                 prompt_token_ids=request.prompt_token_ids,
@@ -177,7 +282,7 @@ class DisaggFlow:
                     async with contextlib.aclosing(self._client.generate(url, body)) as s:
                         async for event in s:
                             if event.error is not None or event.finish_reason == "error":
-                                raise _stream_error(url, event.error)
+                                raise _stream_error(url, event)
                             if timeline.state is S.ROUTED:
                                 timeline.advance(S.DECODING, url)
                             sent.extend(event.token_ids)
@@ -191,16 +296,14 @@ class DisaggFlow:
             except RouterError as exc:
                 if isinstance(exc, WorkerUnreachable):
                     self._pool.mark_failed(url, str(exc))
-                if n == self._max_migrations or not (
-                    exc.retryable or isinstance(exc, WorkerCallError)
-                ):
+                if n == budget or not _recoverable(exc):
                     raise
                 failed.add(url)
-                timeline.advance(S.RETRYING, f"migration {n} failed: {exc}")
+                timeline.advance(S.RETRYING, f"{label} {n} failed: {exc}")
             finally:
                 if not finished:
                     await self._client.release_quietly(url, rid)
-        raise NoCapacity(f"request {request.request_id}: migrations exhausted")
+        raise AssertionError("unreachable: the last attempt re-raises")
 
     def _first_token_finishes(self, request: FlowRequest, token_id: int) -> str | None:
         sampling = request.sampling
@@ -210,12 +313,26 @@ class DisaggFlow:
             return "stop"
         return "length" if sampling.max_tokens <= 1 else None
 
-    async def _prefill_with_retries(self, request: FlowRequest) -> tuple[_Leg, PrefillResult]:
+    async def _prefill_with_retries(
+        self, request: FlowRequest, attempts: int, skip: Collection[str]
+    ) -> tuple[_Leg, PrefillResult, int]:
+        """Reserve and prefill, moving to another prefill worker on failure.
+
+        Returns the leg, the result and the attempts used. Raises `_PrefillSideFailed` when
+        every attempt failed on the prefill side; reservation failures (no decode capacity)
+        propagate as they are, since a local prefill would not find room either.
+        """
         timeline = request.timeline
-        skip_prefill: set[str] = set()
-        for attempt in range(self._max_prefill_attempts):
-            rid = request.request_id if attempt == 0 else f"{request.request_id}.a{attempt}"
-            leg = await self._route_and_reserve(request, rid, skip_prefill)
+        skip_prefill = set(skip)
+        for attempt in range(attempts):
+            n = sum(1 for t in timeline.history if t.state is S.PREFILLING)
+            rid = request.request_id if n == 0 else f"{request.request_id}.r{n}"
+            try:
+                leg = await self._route_and_reserve(request, rid, skip_prefill)
+            except NoCapacity as exc:
+                if _only_prefill_missing(self._pool.snapshot(), skip_prefill):
+                    raise _PrefillSideFailed(exc, skip_prefill) from exc
+                raise
             try:
                 timeline.advance(S.PREFILLING, leg.prefill_url)
                 prefill = PrefillRequest(
@@ -224,60 +341,90 @@ class DisaggFlow:
                     sampling=request.sampling,
                     reservation=leg.reservation,
                     lease_ttl_s=self._lease_ttl_s,
+                    transfer_attempts=self._recovery.send_attempts,
                 )
                 with self._pool.inflight(leg.prefill_url):
-                    return leg, await self._client.prefill(leg.prefill_url, prefill)
+                    result = await self._client.prefill(leg.prefill_url, prefill)
+                return leg, result, attempt + 1
             except BaseException as exc:
-                await self._client.release_quietly(leg.decode_url, rid)
-                await self._client.release_quietly(leg.prefill_url, rid)
-                last = attempt + 1 == self._max_prefill_attempts
-                if not isinstance(exc, RouterError) or not exc.retryable or last:
-                    timeline.fail(str(exc) or type(exc).__name__)
+                await self._release(leg)
+                if not isinstance(exc, RouterError) or not _recoverable(exc):
                     raise
                 if isinstance(exc, WorkerUnreachable):
                     self._pool.mark_failed(leg.prefill_url, str(exc))
                 skip_prefill.add(leg.prefill_url)
-                timeline.advance(S.RETRYING, str(exc))
-        raise AssertionError("unreachable: the last attempt re-raises")
+                if attempt + 1 == attempts:
+                    raise _PrefillSideFailed(exc, skip_prefill) from exc
+                timeline.advance(S.RETRYING, f"prefill failed: {exc}")
+        raise AssertionError("unreachable: the last attempt raises")
 
     async def _route_and_reserve(
         self, request: FlowRequest, rid: str, skip_prefill: Collection[str]
     ) -> _Leg:
-        """Reserve on the best decode worker that has a prefill partner; next one on refusal."""
+        """Reserve on the best decode worker that has a prefill partner; next one on refusal.
+
+        When every decode worker refused for capacity, the request waits (at most
+        `queue_timeout_s`, with at most `max_queued` waiting) and tries again; never prefills
+        first.
+        """
         timeline = request.timeline
-        tried: set[str] = set()
-        while True:
-            pair = _pick_pair(self._pool.snapshot(), tried, skip_prefill)
-            if pair is None:
-                exc = NoCapacity(
+        loop = asyncio.get_running_loop()
+        deadline: float | None = None
+        try:
+            while True:
+                tried: set[str] = set()
+                refused_for_capacity = False
+                while (pair := _pick_pair(self._pool.snapshot(), tried, skip_prefill)) is not None:
+                    decode, prefill = pair
+                    timeline.advance(S.ROUTED, f"decode={decode.url} prefill={prefill.url}")
+                    try:
+                        reservation = await self._client.reserve(
+                            decode.url,
+                            ReserveRequest(
+                                request_id=rid,
+                                prompt_token_ids=request.prompt_token_ids,
+                                sampling=request.sampling,
+                                lease_ttl_s=self._lease_ttl_s,
+                            ),
+                        )
+                    except RouterError as exc:
+                        if not _recoverable(exc):
+                            raise
+                        if isinstance(exc, WorkerUnreachable):
+                            self._pool.mark_failed(decode.url, str(exc))
+                        else:
+                            refused_for_capacity = True
+                        tried.add(decode.url)
+                        timeline.advance(S.RETRYING, str(exc))
+                        continue
+                    timeline.advance(S.RESERVED, reservation.transfer_id)
+                    return _Leg(decode.url, prefill.url, rid, reservation)
+                detail = (
                     f"no decode worker with a compatible prefill worker accepted {rid}"
                     f" (tried {sorted(tried)})"
                 )
-                timeline.fail(str(exc))
-                raise exc
-            decode, prefill = pair
-            timeline.advance(S.ROUTED, f"decode={decode.url} prefill={prefill.url}")
-            try:
-                reservation = await self._client.reserve(
-                    decode.url,
-                    ReserveRequest(
-                        request_id=rid,
-                        prompt_token_ids=request.prompt_token_ids,
-                        sampling=request.sampling,
-                        lease_ttl_s=self._lease_ttl_s,
-                    ),
-                )
-            except RouterError as exc:
-                if not exc.retryable:
-                    timeline.fail(str(exc))
-                    raise
-                if isinstance(exc, WorkerUnreachable):
-                    self._pool.mark_failed(decode.url, str(exc))
-                tried.add(decode.url)
-                timeline.advance(S.RETRYING, str(exc))
-                continue
-            timeline.advance(S.RESERVED, reservation.transfer_id)
-            return _Leg(decode.url, prefill.url, rid, reservation)
+                if deadline is None:
+                    can_wait = (
+                        refused_for_capacity
+                        and self._recovery.queue_timeout_s > 0
+                        and self._num_queued < self._recovery.max_queued
+                    )
+                    if not can_wait:
+                        raise NoCapacity(detail)
+                    deadline = loop.time() + self._recovery.queue_timeout_s
+                    self._num_queued += 1
+                elif loop.time() >= deadline:
+                    raise NoCapacity(f"{detail}; waited {self._recovery.queue_timeout_s} s")
+                await asyncio.sleep(_QUEUE_POLL_S)
+        finally:
+            if deadline is not None:
+                self._num_queued -= 1
+
+
+def _only_prefill_missing(views: Sequence[WorkerView], skip_prefill: Collection[str]) -> bool:
+    """True if decode workers are up but none has a usable prefill partner (dead or skipped)."""
+    decodes = rank_decode(views)
+    return bool(decodes) and all(pick_prefill(views, d, skip_prefill) is None for d in decodes)
 
 
 def _pick_pair(
@@ -290,5 +437,6 @@ def _pick_pair(
     return None
 
 
-def _stream_error(url: str, detail: str | None) -> WorkerCallError:
-    return WorkerCallError(url, 500, ErrorBody(error=detail or "stream failed", type="StreamError"))
+def _stream_error(url: str, event: TokenEvent) -> WorkerCallError:
+    detail = event.error or "stream failed"
+    return WorkerCallError(url, 500, ErrorBody(error=detail, type="StreamError", retryable=True))

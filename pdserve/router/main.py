@@ -22,7 +22,18 @@ from aiohttp import web
 
 from pdserve.errors import PdserveError
 from pdserve.router.app import create_app
-from pdserve.router.config import MODES, RouterConfig, parse_mode
+from pdserve.router.config import (
+    MODES,
+    RECOVERY_STEPS,
+    BreakerConfig,
+    RecoveryConfig,
+    RouterConfig,
+    parse_mode,
+    parse_recovery,
+)
+
+_BREAKER = BreakerConfig()
+_RECOVERY = RecoveryConfig()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +46,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--api-key", default=None)
     p.add_argument("--ready-file", type=Path, default=None)
-    p.add_argument("--request-timeout-s", type=float, default=600.0)
+    p.add_argument("--request-timeout-s", type=float, default=600.0, help="per-request deadline")
+    p.add_argument(
+        "--lease-ttl-s", type=float, default=30.0, help="decode reservation / prefill KV lease"
+    )
+    b = p.add_argument_group("circuit breaker (KV path failures -> colocated)")
+    b.add_argument("--no-breaker", action="store_true", help="never switch mode automatically")
+    b.add_argument("--breaker-window", type=int, default=_BREAKER.window)
+    b.add_argument("--breaker-min-samples", type=int, default=_BREAKER.min_samples)
+    b.add_argument("--breaker-failure-rate", type=float, default=_BREAKER.failure_rate)
+    b.add_argument("--breaker-cooldown-s", type=float, default=_BREAKER.cooldown_s)
+    r = p.add_argument_group("recovery after a failed handoff")
+    r.add_argument(
+        "--recovery",
+        default=",".join(_RECOVERY.steps),
+        help=f"ordered steps from {','.join(RECOVERY_STEPS)}, or 'none'",
+    )
+    r.add_argument("--transfer-attempts", type=int, default=_RECOVERY.transfer_attempts)
+    r.add_argument("--max-reprefills", type=int, default=_RECOVERY.max_reprefills)
+    r.add_argument("--max-migrations", type=int, default=_RECOVERY.max_migrations)
+    r.add_argument("--queue-timeout-s", type=float, default=_RECOVERY.queue_timeout_s)
+    r.add_argument("--max-queued", type=int, default=_RECOVERY.max_queued)
     return p
 
 
@@ -57,6 +88,22 @@ def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
         api_key=args.api_key,
         ready_file=args.ready_file,
         request_timeout_s=args.request_timeout_s,
+        lease_ttl_s=args.lease_ttl_s,
+        breaker=BreakerConfig(
+            enabled=not args.no_breaker,
+            window=args.breaker_window,
+            min_samples=args.breaker_min_samples,
+            failure_rate=args.breaker_failure_rate,
+            cooldown_s=args.breaker_cooldown_s,
+        ),
+        recovery=RecoveryConfig(
+            steps=parse_recovery(args.recovery),
+            transfer_attempts=args.transfer_attempts,
+            max_reprefills=args.max_reprefills,
+            max_migrations=args.max_migrations,
+            queue_timeout_s=args.queue_timeout_s,
+            max_queued=args.max_queued,
+        ),
     )
 
 

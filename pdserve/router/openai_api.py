@@ -61,6 +61,8 @@ class _Piece:
 
     text: str
     finish_reason: str | None
+    # The tokens the output accepted from this chunk (for `return_token_ids`).
+    token_ids: list[int]
 
 
 class OpenAIApi:
@@ -224,14 +226,16 @@ class OpenAIApi:
                     first = False
                     ttft = (time.monotonic_ns() - timeline.history[0].monotonic_ns) / 1e9
                     self._metrics.ttft_s.observe(ttft)
+                before = output.num_tokens
                 text = output.add_all(chunk.token_ids)
+                accepted = output.token_ids[before:]
                 if chunk.finish_reason is not None and not output.finished:
                     text += output.finish(chunk.finish_reason)
                 if output.finished and not timeline.done:
                     # Finished here (stop string, max_tokens) before the worker said so; closing
                     # the flow after this releases the worker's copy without a failure record.
                     timeline.advance(RequestState.FINISHED, f"router: {output.finish_reason}")
-                yield _Piece(text, output.finish_reason)
+                yield _Piece(text, output.finish_reason, accepted)
                 if output.finished:
                     return
         raise RouterError(f"request {freq.request_id}: the flow ended without finishing")
@@ -253,8 +257,12 @@ class OpenAIApi:
         piece: _Piece | None = first
         try:
             while piece is not None:
-                if piece.text or piece.finish_reason is not None:
-                    body = responses.chunk(job, piece.text, piece.finish_reason)
+                if (
+                    piece.text
+                    or piece.finish_reason is not None
+                    or (job.body.return_token_ids and piece.token_ids)
+                ):
+                    body = responses.chunk(job, piece.text, piece.finish_reason, piece.token_ids)
                     await resp.write(sse.encode_event(body))
                 if piece.finish_reason is not None:
                     break

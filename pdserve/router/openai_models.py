@@ -33,6 +33,8 @@ class SamplingFields(_Request):
     top_k: int = 0
     # Extension (as in vLLM): keep generating past the model's EOS token.
     ignore_eos: bool = False
+    # Extension (as in vLLM): each choice also carries the completion's token ids.
+    return_token_ids: bool = False
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -89,6 +91,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: None = None
     finish_reason: str | None = None
+    # Only with `return_token_ids`: the tokens this choice (or chunk) adds.
+    token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class CompletionResponse(BaseModel):
@@ -116,6 +120,7 @@ class ChatChoice(BaseModel):
     message: ChatMessageOut
     logprobs: None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -143,6 +148,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatCompletionChunk(BaseModel):

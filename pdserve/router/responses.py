@@ -49,11 +49,14 @@ class Job:
         )
 
 
-def chunk(job: Job, text: str, finish_reason: str | None) -> BaseModel:
-    """One streamed chunk adding `text` (finish_reason on the last)."""
+def chunk(
+    job: Job, text: str, finish_reason: str | None, token_ids: list[int] | None = None
+) -> BaseModel:
+    """One streamed chunk adding `text` (finish_reason on the last); `token_ids` when asked."""
+    ids = token_ids if job.body.return_token_ids else None
     if job.kind == "chat":
-        return chat_chunk(job, ChatDelta(content=text), finish_reason)
-    choice = CompletionChoice(text=text, finish_reason=finish_reason)
+        return chat_chunk(job, ChatDelta(content=text), finish_reason, token_ids=ids)
+    choice = CompletionChoice(text=text, finish_reason=finish_reason, token_ids=ids)
     return CompletionResponse(
         id=job.request_id, created=job.created, model=job.body.model, choices=[choice]
     )
@@ -64,9 +67,14 @@ def chat_chunk(
     delta: ChatDelta | None,
     finish_reason: str | None = None,
     usage: Usage | None = None,
+    token_ids: list[int] | None = None,
 ) -> ChatCompletionChunk:
     """A chat chunk: a delta, or (delta None) the usage chunk with no choices."""
-    choices = [] if delta is None else [ChatChunkChoice(delta=delta, finish_reason=finish_reason)]
+    choices = (
+        []
+        if delta is None
+        else [ChatChunkChoice(delta=delta, finish_reason=finish_reason, token_ids=token_ids)]
+    )
     return ChatCompletionChunk(
         id=job.request_id, created=job.created, model=job.body.model, choices=choices,
         usage=usage,
@@ -76,17 +84,20 @@ def chat_chunk(
 def whole(job: Job, text: str, output: OutputStream) -> BaseModel:
     """The non-streamed response."""
     usage = job.usage(output)
+    ids = list(output.token_ids) if job.body.return_token_ids else None
     if job.kind == "chat":
         choice = ChatChoice(
-            message=ChatMessageOut(content=text), finish_reason=output.finish_reason
-        )
+            message=ChatMessageOut(content=text), finish_reason=output.finish_reason,
+            token_ids=ids,
+        )  # fmt: skip
         return ChatCompletionResponse(
             id=job.request_id, created=job.created, model=job.body.model,
             choices=[choice], usage=usage,
         )  # fmt: skip
     return CompletionResponse(
         id=job.request_id, created=job.created, model=job.body.model,
-        choices=[CompletionChoice(text=text, finish_reason=output.finish_reason)], usage=usage,
+        choices=[CompletionChoice(text=text, finish_reason=output.finish_reason, token_ids=ids)],
+        usage=usage,
     )  # fmt: skip
 
 

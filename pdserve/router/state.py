@@ -4,7 +4,8 @@ Disaggregated life cycle (DESIGN.md):
 
     RECEIVED → ROUTED → RESERVED → PREFILLING → PREFILLED → TRANSFERRING → COMMITTED
       → DECODING → FINISHED
-    any live state → RETRYING → an earlier state (ROUTED, RESERVED, PREFILLING), or → FAILED
+    any live state → RETRYING (→ RETRYING: the next recovery step) → an earlier state (ROUTED,
+      RESERVED, PREFILLING), or → FAILED
 
 Colocated life cycle: RECEIVED → ROUTED → DECODING (the worker generates everything) → FINISHED.
 
@@ -53,7 +54,8 @@ TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
     S.TRANSFERRING: frozenset({S.COMMITTED, S.RETRYING, S.FAILED}),
     S.COMMITTED: frozenset({S.DECODING, S.FINISHED, S.RETRYING, S.FAILED}),
     S.DECODING: frozenset({S.FINISHED, S.RETRYING, S.FAILED}),
-    S.RETRYING: frozenset({S.ROUTED, S.RESERVED, S.PREFILLING, S.FAILED}),
+    # RETRYING → RETRYING: one recovery step gave up and the next one begins.
+    S.RETRYING: frozenset({S.RETRYING, S.ROUTED, S.RESERVED, S.PREFILLING, S.FAILED}),
     S.FINISHED: frozenset(),
     S.FAILED: frozenset(),
 }

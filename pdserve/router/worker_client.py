@@ -42,6 +42,8 @@ class ClientTimeouts:
     """Seconds allowed per call kind."""
 
     health_s: float = 2.0
+    # Opening a connection, for every call (streams have no total deadline of their own).
+    connect_s: float = 5.0
     control_s: float = 10.0
     # Prefill of a long prompt on CPU can take a while.
     prefill_s: float = 120.0
@@ -96,7 +98,7 @@ class WorkerClient:
         return self._stream(url, "/generate", request)
 
     async def _get(self, url: str, path: str, model: type[_M], timeout_s: float) -> _M:
-        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self._timeouts.connect_s)
         try:
             async with self._session.get(url + path, timeout=timeout) as resp:
                 return await _parse(url, resp, model)
@@ -106,7 +108,7 @@ class WorkerClient:
     async def _post(
         self, url: str, path: str, body: BaseModel, model: type[_M], timeout_s: float
     ) -> _M:
-        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self._timeouts.connect_s)
         data = body.model_dump_json()
         headers = {"Content-Type": "application/json"}
         try:
@@ -120,7 +122,11 @@ class WorkerClient:
     async def _stream(
         self, url: str, path: str, body: BaseModel
     ) -> AsyncGenerator[TokenEvent, None]:
-        timeout = aiohttp.ClientTimeout(total=None, sock_read=self._timeouts.stream_read_s)
+        timeout = aiohttp.ClientTimeout(
+            total=None,
+            sock_connect=self._timeouts.connect_s,
+            sock_read=self._timeouts.stream_read_s,
+        )
         headers = {"Content-Type": "application/json"}
         try:
             async with self._session.post(

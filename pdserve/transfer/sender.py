@@ -53,11 +53,21 @@ class SendPolicy:
 
     # Blocks per Chunk frame.
     chunk_blocks: int = 16
-    # Deadline for each chunk's send and for each reply.
-    chunk_timeout_s: float = 5.0
+    # Deadline for each chunk's send and for each reply: a stalled link is noticed this fast.
+    # A 16-block chunk of a 7B-class model (~32 MiB) takes ~20 ms over loopback TCP.
+    chunk_timeout_s: float = 2.0
     # Deadline for opening the connection.
     connect_timeout_s: float = 5.0
     backoff: BackoffPolicy = field(default_factory=BackoffPolicy)
+    # Attempts in all (the first included); the lease deadline may end them sooner.
+    max_attempts: int = 4
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1 or self.chunk_blocks < 1:
+            raise ValueError(
+                f"SendPolicy: max_attempts and chunk_blocks must be >= 1,"
+                f" got {self.max_attempts} and {self.chunk_blocks}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +77,14 @@ class LeaseHandle:
     table: LeaseTable
     lease_id: int
     epoch: int
+    # When set, every reply from the receiver renews the lease for this long: a decode side
+    # that keeps answering keeps the snapshot held; a dead one lets the lease lapse.
+    renew_ttl_s: float | None = None
+
+    def heartbeat(self) -> None:
+        """The receiver answered: extend the lease (no-op without `renew_ttl_s`)."""
+        if self.renew_ttl_s is not None:
+            self.table.renew(self.lease_id, self.epoch, self.renew_ttl_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,10 +97,18 @@ class SendReport:
     failures: tuple[str, ...]
 
 
-async def _reply(stream: ByteStream, session: SenderSession, timeout_s: float) -> SenderAction:
+async def _reply(
+    stream: ByteStream,
+    session: SenderSession,
+    timeout_s: float,
+    on_reply: Callable[[], object] | None,
+) -> SenderAction:
     async with asyncio.timeout(timeout_s):
         header, message = await read_frame(stream)
-    return session.receive(header, message)
+    action = session.receive(header, message)
+    if on_reply is not None:
+        on_reply()
+    return action
 
 
 def _expect(action: SenderAction, want: SenderAction, session: SenderSession) -> None:
@@ -93,13 +119,17 @@ def _expect(action: SenderAction, want: SenderAction, session: SenderSession) ->
 
 
 async def send_attempt(
-    stream: ByteStream, session: SenderSession, transfer: OutgoingTransfer, policy: SendPolicy
+    stream: ByteStream,
+    session: SenderSession,
+    transfer: OutgoingTransfer,
+    policy: SendPolicy,
+    on_reply: Callable[[], object] | None = None,
 ) -> int:
-    """Run one attempt to its Ack; returns the data bytes sent."""
+    """Run one attempt to its Ack; returns the data bytes sent. `on_reply` runs per reply."""
     t = policy.chunk_timeout_s
     async with asyncio.timeout(t):
         await write_frame(stream, session.send_hello())
-    _expect(await _reply(stream, session, t), SenderAction.SEND_BEGIN, session)
+    _expect(await _reply(stream, session, t, on_reply), SenderAction.SEND_BEGIN, session)
     begin = Begin(
         transfer.transfer_id,
         transfer.request_id,
@@ -111,7 +141,7 @@ async def send_attempt(
     )
     async with asyncio.timeout(t):
         await write_frame(stream, session.send_begin(begin))
-    action = await _reply(stream, session, t)
+    action = await _reply(stream, session, t, on_reply)
     if action is SenderAction.RELEASE_LEASE:
         return 0  # a retry of a transfer the receiver had already committed
     _expect(action, SenderAction.SEND_CHUNKS, session)
@@ -124,7 +154,7 @@ async def send_attempt(
         sent += sum(v.nbytes for v in views)
     async with asyncio.timeout(t):
         await write_frame(stream, session.send_commit())
-    _expect(await _reply(stream, session, t), SenderAction.RELEASE_LEASE, session)
+    _expect(await _reply(stream, session, t, on_reply), SenderAction.RELEASE_LEASE, session)
     return sent
 
 
@@ -142,7 +172,8 @@ async def send_with_retries(
 ) -> SendReport:
     """Send until acknowledged, retrying retryable failures with backoff until `deadline`.
 
-    Raises the last error when retries run out or a failure is fatal. On success the lease (if
+    Raises the last error when `policy.max_attempts` or the deadline run out or a failure is
+    fatal. On success the lease (if
     given) is released.
     """
     clock = clock or MonotonicClock()
@@ -152,10 +183,14 @@ async def send_with_retries(
         if lease is not None:
             lease.table.check(lease.lease_id, lease.epoch)
         try:
-            sent = await _one_attempt(connect, session, transfer, policy)
+            heartbeat = lease.heartbeat if lease is not None else None
+            sent = await _one_attempt(connect, session, transfer, policy, heartbeat)
         except PdserveError as exc:
             failures.append(f"attempt {session.attempt}: {type(exc).__name__}: {exc}")
-            delay = backoff.next_delay(clock.now()) if exc.retryable else None
+            out_of_attempts = len(failures) >= policy.max_attempts
+            delay = (
+                None if out_of_attempts or not exc.retryable else backoff.next_delay(clock.now())
+            )
             if delay is None:
                 raise
             await sleep(delay)
@@ -172,6 +207,7 @@ async def _one_attempt(
     session: SenderSession,
     transfer: OutgoingTransfer,
     policy: SendPolicy,
+    on_reply: Callable[[], object] | None = None,
 ) -> int:
     where = f"transfer {transfer.transfer_id.hex()} attempt {session.attempt}"
     try:
@@ -182,7 +218,7 @@ async def _one_attempt(
     except OSError as exc:
         raise PeerClosed(f"{where}: connect failed: {exc}") from None
     try:
-        return await send_attempt(stream, session, transfer, policy)
+        return await send_attempt(stream, session, transfer, policy, on_reply)
     except TimeoutError:
         raise TransferTimeout(f"{where}: no progress within {policy.chunk_timeout_s}s") from None
     except OSError as exc:

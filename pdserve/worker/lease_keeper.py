@@ -50,7 +50,7 @@ class LeaseKeeper:
         free_ids = [rid for rid in resource_ids if self.table.lease_of(rid) is None]
         lease = self.table.grant(free_ids, ttl_s, holder)
         self._on_expire[lease.lease_id] = on_expire
-        return LeaseHandle(self.table, lease.lease_id, lease.epoch)
+        return LeaseHandle(self.table, lease.lease_id, lease.epoch, ttl_s)
 
     def check(self, handle: LeaseHandle) -> None:
         """Raise LeaseError unless the lease is live (the receiver's guard)."""

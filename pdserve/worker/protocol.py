@@ -123,6 +123,8 @@ class PrefillRequest(_Model):
     # None: prefill only, nothing to transfer (the KV is released at once).
     reservation: Reservation | None = None
     lease_ttl_s: float = Field(default=30.0, gt=0)
+    # Sends of the KV (first try included) before the prefill worker gives up on it.
+    transfer_attempts: int = Field(default=4, ge=1, le=100)
 
 
 class PrefillResult(_Model):

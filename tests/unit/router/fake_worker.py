@@ -41,6 +41,12 @@ class FakeWorker:
     fail_prefill_retryable: bool = True
     # Seconds to wait between streamed tokens (lets a test disconnect mid-stream).
     token_delay_s: float = 0.0
+    # This many /decode calls report that the KV never verified, before any token.
+    fail_kv_times: int = 0
+    # Cut /decode and /generate streams (no finished event) after this many tokens.
+    cut_after_tokens: int | None = None
+    # Refuse this many reservations (503) before accepting.
+    refuse_reserve_times: int = 0
     num_free_blocks: int = 100
     num_running: int = 0
     calls: list[tuple[str, str]] = field(default_factory=list)
@@ -98,7 +104,8 @@ class FakeWorker:
     async def reserve(self, request: web.Request) -> web.Response:
         body = ReserveRequest.model_validate_json(await request.read())
         self.calls.append(("/reserve", body.request_id))
-        if self.refuse_reserve:
+        if self.refuse_reserve or self.refuse_reserve_times > 0:
+            self.refuse_reserve_times -= 1
             return _error(503, "no free blocks", "NoCapacity", retryable=True)
         self.reserved[body.request_id] = body
         res = Reservation(
@@ -132,6 +139,16 @@ class FakeWorker:
         reserved = self.reserved.pop(body.request_id, None)
         if reserved is None:
             return _error(404, "unknown request", "RequestNotFound")
+        if self.fail_kv_times > 0:
+            self.fail_kv_times -= 1
+            resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+            await resp.prepare(request)
+            event = TokenEvent(
+                token_ids=[], finished=True, finish_reason="error", error="KVNotReady: never came"
+            )
+            await resp.write(event.model_dump_json().encode() + b"\n")
+            await resp.write_eof()
+            return resp
         return await self._stream(request, 1, reserved.sampling.max_tokens)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
@@ -139,7 +156,8 @@ class FakeWorker:
         self.calls.append(("/generate", body.request_id))
         if self.refuse_reserve:
             return _error(503, "full", "NoCapacity", retryable=True)
-        return await self._stream(request, 0, body.sampling.max_tokens)
+        # A resumed request continues after the tokens it already has.
+        return await self._stream(request, len(body.output_token_ids), body.sampling.max_tokens)
 
     async def release(self, request: web.Request) -> web.Response:
         body = ReleaseRequest.model_validate_json(await request.read())
@@ -153,6 +171,11 @@ class FakeWorker:
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)
         for i in range(start, max_tokens):
+            if self.cut_after_tokens is not None and i - start >= self.cut_after_tokens:
+                # A dead worker: the connection drops mid-stream, with no finished event.
+                assert request.transport is not None
+                request.transport.close()
+                return resp
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
             last = i == max_tokens - 1

@@ -8,18 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 from fake_worker import FakeWorker
+from router_harness import completion, router, run
 
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.router import sse
-from pdserve.router.app import create_app
-from pdserve.router.config import Mode, RouterConfig
 
 
 @pytest.fixture(scope="module")
@@ -27,38 +23,6 @@ def tokens(tiny_model_path: Path) -> list[int]:
     return Tokenizer(tiny_model_path).encode(
         " the cat sat on the mat and", add_special_tokens=False
     )
-
-
-@asynccontextmanager
-async def router(
-    model: Path, workers: list[FakeWorker], mode: Mode = "disagg", api_key: str | None = None
-) -> AsyncIterator[TestClient]:  # type: ignore[type-arg]
-    for w in workers:
-        await w.start()
-    config = RouterConfig(
-        workers=tuple(w.url for w in workers), model=model, mode=mode, api_key=api_key,
-        health_poll_interval_s=60.0,
-    )  # fmt: skip
-    client = TestClient(TestServer(await create_app(config)))
-    await client.start_server()
-    try:
-        yield client
-    finally:
-        await client.close()
-        for w in workers:
-            await w.close()
-
-
-def run(coro: Callable[[], Awaitable[None]]) -> None:
-    async def bounded() -> None:
-        async with asyncio.timeout(30):
-            await coro()
-
-    asyncio.run(bounded())
-
-
-def completion(max_tokens: int = 4, **kw: object) -> dict[str, object]:
-    return {"model": "tiny-v1", "prompt": "hello", "max_tokens": max_tokens, "temperature": 0, **kw}
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +108,7 @@ def test_retryable_prefill_failure_retries_on_another_prefill_worker(
             assert resp.status == 200
             rid = bad.calls[-1][1]
             assert decode.paths() == ["/reserve", "/release", "/reserve", "/decode"]
-            assert good.calls[-1][1] == f"{rid}.a1" == decode.calls[-1][1]
+            assert good.calls[-1][1] == f"{rid}.r1" == decode.calls[-1][1]
 
     run(body)
 

@@ -4,6 +4,7 @@ verified commit counts, retries are idempotent, fatal refusals are not retried, 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import random
 from collections.abc import Awaitable
@@ -15,12 +16,13 @@ from pdserve.clock import FakeClock
 from pdserve.errors import (
     FingerprintMismatch,
     LeaseExpired,
+    PeerClosed,
     TransferRefused,
     TransferTimeout,
 )
 from pdserve.transfer.backoff import BackoffPolicy
 from pdserve.transfer.faulty import Fault, FaultAction, FaultPlan, FaultyStream
-from pdserve.transfer.lease import LeaseTable
+from pdserve.transfer.lease import Lease, LeaseTable
 from pdserve.transfer.memory import memory_stream_pair
 from pdserve.transfer.messages import KVLayout, token_digest
 from pdserve.transfer.receiver import IncomingTransfer, KVReceiver
@@ -194,3 +196,40 @@ def test_retry_after_commit_is_idempotent() -> None:
     again = run(send(pair))  # a sender that missed the Ack sends again
     assert again.bytes_sent == 0  # type: ignore[attr-defined]
     assert pair.verified == ["ok"]
+
+
+def test_max_attempts_bounds_retries_before_the_deadline() -> None:
+    pair = make_pair()
+    pair.plans = [FaultPlan(faults=(Fault(FaultAction.CLOSE, 2),))] * 10
+    policy = dataclasses.replace(FAST, max_attempts=2)
+    session = SenderSession(pair.transfer.transfer_id, FP)
+
+    async def go() -> None:
+        try:
+            await send_with_retries(pair.connect, session, pair.transfer, policy, deadline=1e12)
+        finally:
+            for t in pair.tasks:
+                t.cancel()
+
+    with pytest.raises(PeerClosed):
+        run(go())
+    assert len(pair.plans) == 8  # exactly two connections were made
+    assert pair.verified == []
+
+
+def test_every_reply_from_the_receiver_renews_the_senders_lease() -> None:
+    clock = FakeClock()
+    renewals: list[float] = []
+
+    class Spy(LeaseTable):
+        def renew(self, lease_id: int, epoch: int, ttl: float) -> Lease:
+            renewals.append(ttl)
+            return super().renew(lease_id, epoch, ttl)
+
+    table = Spy(clock)
+    lease = table.grant(list(range(NUM_BLOCKS)), ttl=1.0, holder="prefill-1")
+    pair = make_pair()
+    run(send(pair, lease=LeaseHandle(table, lease.lease_id, lease.epoch, renew_ttl_s=7.0)))
+    # Hello, Begin and Commit are each answered once.
+    assert renewals == [7.0, 7.0, 7.0]
+    assert table.num_active == 0 and landed(pair)

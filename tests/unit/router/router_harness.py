@@ -1,0 +1,55 @@
+"""A router on an in-process test server in front of fake workers, for router tests."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from aiohttp.test_utils import TestClient, TestServer
+from fake_worker import FakeWorker
+
+from pdserve.router.app import create_app
+from pdserve.router.config import Mode, RouterConfig
+
+
+@asynccontextmanager
+async def router(
+    model: Path,
+    workers: list[FakeWorker],
+    mode: Mode = "disagg",
+    api_key: str | None = None,
+    **config: Any,
+) -> AsyncIterator[TestClient]:  # type: ignore[type-arg]
+    """Start `workers` and a router over them; `config` overrides RouterConfig fields."""
+    for w in workers:
+        await w.start()
+    settings: dict[str, Any] = {"health_poll_interval_s": 60.0, **config}
+    router_config = RouterConfig(
+        workers=tuple(w.url for w in workers), model=model, mode=mode, api_key=api_key, **settings
+    )
+    client = TestClient(TestServer(await create_app(router_config)))
+    await client.start_server()
+    try:
+        yield client
+    finally:
+        await client.close()
+        for w in workers:
+            await w.close()
+
+
+def run(coro: Callable[[], Awaitable[None]]) -> None:
+    """Run one test coroutine, bounded so a hang fails instead of stalling the suite."""
+
+    async def bounded() -> None:
+        async with asyncio.timeout(30):
+            await coro()
+
+    asyncio.run(bounded())
+
+
+def completion(max_tokens: int = 4, **kw: object) -> dict[str, object]:
+    """A greedy /v1/completions body."""
+    return {"model": "tiny-v1", "prompt": "hello", "max_tokens": max_tokens, "temperature": 0, **kw}

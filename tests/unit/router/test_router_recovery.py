@@ -1,0 +1,179 @@
+"""The router's recovery policy against fake workers: each step, in order, within its budget.
+
+A failed handoff (KV never verified) re-prefills on another prefill worker, else the decode
+worker recomputes locally; a dead prefill side falls back to local prefill; a decode stream cut
+after commit migrates; refused reservations wait in the bounded queue, never prefilling first.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fake_worker import FakeWorker
+from router_harness import completion, router, run
+
+from pdserve.model.tokenizer import Tokenizer
+from pdserve.router.config import RecoveryConfig
+
+
+@pytest.fixture(scope="module")
+def tokens(tiny_model_path: Path) -> list[int]:
+    return Tokenizer(tiny_model_path).encode(
+        " one two three four five six", add_special_tokens=False
+    )
+
+
+def _text(model: Path, tokens: list[int], n: int) -> str:
+    return Tokenizer(model).decode(tokens[:n])
+
+
+def _rid(worker: FakeWorker, path: str) -> str:
+    return next(r for p, r in worker.calls if p == path)
+
+
+def test_failed_handoff_reprefills_on_another_prefill_worker(
+    tiny_model_path: Path, tokens: list[int]
+) -> None:
+    p1 = FakeWorker("prefill", tokens)
+    p2 = FakeWorker("prefill", tokens, num_running=1)  # ranked after p1
+    d = FakeWorker("decode", tokens, fail_kv_times=1)
+
+    async def body() -> None:
+        async with router(tiny_model_path, [p1, p2, d]) as client:
+            resp = await client.post("/v1/completions", json=completion(5))
+            data = await resp.json()
+            assert resp.status == 200, data
+            assert data["choices"][0]["text"] == _text(tiny_model_path, tokens, 5)
+            rid = _rid(p1, "/prefill")
+            assert d.paths() == ["/reserve", "/decode", "/release", "/reserve", "/decode"]
+            assert p2.paths() == ["/prefill"] and _rid(p2, "/prefill") == f"{rid}.r1"
+            assert d.reserved == {}
+
+    run(body)
+
+
+def test_failed_handoff_without_reprefill_recomputes_on_the_decode_worker(
+    tiny_model_path: Path, tokens: list[int]
+) -> None:
+    p = FakeWorker("prefill", tokens)
+    d = FakeWorker("decode", tokens, fail_kv_times=1)
+    recovery = RecoveryConfig(steps=("retry_transfer", "local_prefill"))
+
+    async def body() -> None:
+        async with router(tiny_model_path, [p, d], recovery=recovery) as client:
+            resp = await client.post("/v1/completions", json=completion(5))
+            data = await resp.json()
+            assert resp.status == 200, data
+            assert data["choices"][0]["text"] == _text(tiny_model_path, tokens, 5)
+            assert d.paths()[:4] == ["/reserve", "/decode", "/release", "/generate"]
+            assert p.paths().count("/prefill") == 1
+
+    run(body)
+
+
+def test_no_recovery_steps_fail_the_request_with_a_typed_error(
+    tiny_model_path: Path, tokens: list[int]
+) -> None:
+    p = FakeWorker("prefill", tokens)
+    d = FakeWorker("decode", tokens, fail_kv_times=1)
+
+    async def body() -> None:
+        async with router(tiny_model_path, [p, d], recovery=RecoveryConfig(steps=())) as client:
+            resp = await client.post("/v1/completions", json=completion(5))
+            data = await resp.json()
+            assert resp.status == 502
+            assert "KVNotReady" in data["error"]["message"]
+            assert "/generate" not in d.paths() and d.reserved == {}
+
+    run(body)
+
+
+def test_dead_prefill_side_falls_back_to_local_prefill(
+    tiny_model_path: Path, tokens: list[int]
+) -> None:
+    p1 = FakeWorker("prefill", tokens, fail_prefill=True)
+    p2 = FakeWorker("prefill", tokens, fail_prefill=True)
+    d = FakeWorker("decode", tokens)
+
+    async def body() -> None:
+        async with router(tiny_model_path, [p1, p2, d]) as client:
+            resp = await client.post("/v1/completions", json=completion(4))
+            data = await resp.json()
+            assert resp.status == 200, data
+            assert data["choices"][0]["text"] == _text(tiny_model_path, tokens, 4)
+            # One prefill each (the re-prefill budget is 1), then the decode worker alone.
+            assert p1.paths() == ["/prefill", "/release"] and p2.paths() == ["/prefill", "/release"]
+            assert d.paths()[-1] == "/generate" and d.reserved == {}
+
+    run(body)
+
+
+def test_decode_death_after_commit_migrates_after_the_sent_tokens(
+    tiny_model_path: Path, tokens: list[int]
+) -> None:
+    p = FakeWorker("prefill", tokens)
+    d1 = FakeWorker("decode", tokens, cut_after_tokens=2)
+    d2 = FakeWorker("decode", tokens, num_running=1)
+
+    async def body() -> None:
+        async with router(tiny_model_path, [p, d1, d2]) as client:
+            resp = await client.post("/v1/completions", json=completion(6, return_token_ids=True))
+            data = await resp.json()
+            assert resp.status == 200, data
+            choice = data["choices"][0]
+            assert choice["token_ids"] == tokens[:6]  # none lost, none twice
+            assert choice["text"] == _text(tiny_model_path, tokens, 6)
+            assert d2.paths() == ["/generate"]
+
+    run(body)
+
+
+def test_refused_reservations_wait_in_the_queue_and_never_prefill_first(
+    tiny_model_path: Path, tokens: list[int]
+) -> None:
+    p = FakeWorker("prefill", tokens)
+    d = FakeWorker("decode", tokens, refuse_reserve_times=3)
+    recovery = RecoveryConfig(queue_timeout_s=5.0)
+
+    async def body() -> None:
+        async with router(tiny_model_path, [p, d], recovery=recovery) as client:
+            resp = await client.post("/v1/completions", json=completion(3))
+            assert resp.status == 200, await resp.text()
+            assert d.paths()[:4] == ["/reserve"] * 4
+            assert p.paths() == ["/prefill"]
+
+    run(body)
+
+
+def test_full_decode_without_a_queue_is_503_with_retry_after(
+    tiny_model_path: Path, tokens: list[int]
+) -> None:
+    p = FakeWorker("prefill", tokens)
+    d = FakeWorker("decode", tokens, refuse_reserve=True)
+    recovery = RecoveryConfig(queue_timeout_s=0.0)
+
+    async def body() -> None:
+        async with router(tiny_model_path, [p, d], recovery=recovery) as client:
+            resp = await client.post("/v1/completions", json=completion(3))
+            assert resp.status == 503
+            assert resp.headers["Retry-After"] == "1"
+            assert "no capacity" in (await resp.json())["error"]["message"]
+            assert p.paths() == []  # a refused reservation never wastes a prefill
+
+    run(body)
+
+
+def test_queue_gives_up_after_its_timeout(tiny_model_path: Path, tokens: list[int]) -> None:
+    p = FakeWorker("prefill", tokens)
+    d = FakeWorker("decode", tokens, refuse_reserve=True)
+    recovery = RecoveryConfig(queue_timeout_s=0.3)
+
+    async def body() -> None:
+        async with router(tiny_model_path, [p, d], recovery=recovery) as client:
+            resp = await client.post("/v1/completions", json=completion(3))
+            assert resp.status == 503
+            assert "waited 0.3 s" in (await resp.json())["error"]["message"]
+            assert len(d.paths()) > 2 and p.paths() == []
+
+    run(body)
