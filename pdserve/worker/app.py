@@ -249,8 +249,11 @@ class WorkerAPI:
         return response
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        """POST /generate GenerateRequest -> NDJSON TokenEvents (colocated, role both)."""
-        if self.config.role != "both":
+        """POST /generate GenerateRequest -> NDJSON TokenEvents (colocated, resume, recompute).
+
+        Served by every worker that decodes: a decode worker runs it to resume a migrated
+        request or to prefill locally when no prefill worker could."""
+        if not self.config.serves_decode:
             raise WrongRole(
                 f"worker {self.worker_id} (role {self.config.role}) does not serve /generate"
             )

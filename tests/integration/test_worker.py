@@ -126,6 +126,24 @@ def test_colocated_generate_equals_offline_llm(workers: Workers, llm: LLM) -> No
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_decode_worker_recomputes_a_resumed_request_locally(
+    workers: Workers, llm: LLM, sampling: dict[str, Any]
+) -> None:
+    # The router's local-prefill and migration step: a decode-role worker gets the prompt and
+    # the tokens the client already has, and continues with exactly the next ones.
+    prompt = prompt_of(40, 3)
+    reference = colocated(llm, prompt, sampling)
+    body = {
+        "request_id": f"resume-{sampling.get('seed')}",
+        "prompt_token_ids": prompt,
+        "sampling": sampling,
+        "output_token_ids": reference[:3],
+    }
+    events = run(lambda s: stream(s, f"{workers.decode.url}/generate", body))
+    assert reference[:3] + [t for e in events for t in e["token_ids"]] == reference
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_disaggregated_across_two_processes_equals_colocated(
     workers: Workers, llm: LLM, sampling: dict[str, Any]
 ) -> None:
@@ -264,7 +282,7 @@ def test_wrong_role_is_409(workers: Workers) -> None:
             (workers.decode, "/prefill", request),
             (workers.prefill, "/reserve", request),
             (workers.prefill, "/decode", {"request_id": "w", "first_token_id": 1}),
-            (workers.decode, "/generate", request),
+            (workers.prefill, "/generate", request),
         ]
         for worker, path, payload in cases:
             status, error = await post(session, f"{worker.url}{path}", payload)
