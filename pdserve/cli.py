@@ -77,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--url", default=None, help="router URL (default: the running `pdserve up`)")
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
+    tr = sub.add_parser("trace", help="one request's timeline as a waterfall")
+    tr.add_argument("request_id", help="the id of the OpenAI response (cmpl-…, chatcmpl-…)")
+    tr.add_argument("--url", default=None, help="router URL (default: the running `pdserve up`)")
+    tr.add_argument("--json", action="store_true", help="print the timeline JSON")
+
     for name, what in (
         ("worker", "one worker process"),
         ("router", "the OpenAI-compatible router"),
@@ -144,6 +149,17 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_trace(args: argparse.Namespace) -> int:
+    import json
+
+    from pdserve.observability.trace import fetch_timeline, render_waterfall
+    from pdserve.status import find_router_url
+
+    view = fetch_timeline(find_router_url(args.url), args.request_id)
+    print(json.dumps(view, indent=2) if args.json else render_waterfall(view))
+    return 0
+
+
 def _cmd_process(args: argparse.Namespace) -> int:
     # argparse keeps a leading "--" in REMAINDER; the process's own parser must not see it.
     passthrough = args.args[1:] if args.args[:1] == ["--"] else args.args
@@ -168,6 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_up(args)
         if args.command == "status":
             return _cmd_status(args)
+        if args.command == "trace":
+            return _cmd_trace(args)
         if args.command in ("worker", "router"):
             return _cmd_process(args)
     except PdserveError as exc:

@@ -1,0 +1,1 @@
+"""Observability: handoff phases of a request timeline, spike detection, trace rendering."""

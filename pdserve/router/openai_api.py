@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import secrets
 import time
 import uuid
@@ -36,6 +37,8 @@ from pdserve.errors import (
     WorkerCallError,
 )
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.observability.phases import handoff_phases
+from pdserve.observability.spikes import SpikeDetector
 from pdserve.router import responses, sse
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatcher import Dispatcher
@@ -53,6 +56,8 @@ from pdserve.router.output import OutputStream
 from pdserve.router.responses import Job, error_body
 from pdserve.router.state import RequestState
 from pdserve.worker.protocol import SamplingModel
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +88,8 @@ class OpenAIApi:
         self._metrics = metrics
         self._model_names = {config.model_name, str(config.model)}
         self._created = int(time.time())
+        # Baselines of handoff phases; a finished request far over one is logged and counted.
+        self.spikes = SpikeDetector()
 
     def add_routes(self, app: web.Application) -> None:
         """Register the /v1 routes on `app`."""
@@ -214,6 +221,9 @@ class OpenAIApi:
             raise
         finally:
             self._metrics.count_request(mode, status)
+            if status == "ok" and mode == "disagg":
+                for spike in self.spikes.observe(job.request_id, handoff_phases(timeline.history)):
+                    log.warning("%s", spike.describe())
 
     async def _pieces(
         self, flow: Flow, freq: FlowRequest, output: OutputStream

@@ -135,3 +135,20 @@ def test_errors_are_400_with_param(router_url: str, patch: dict[str, object], pa
     error = json.loads(raw)["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error"
     assert complete(router_url, max_tokens=2)["choices"]  # still serving
+
+
+def test_trace_prints_the_waterfall_of_a_finished_request(
+    router_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pdserve.cli import main
+
+    set_mode(router_url, "disagg")
+    rid = str(complete(router_url, max_tokens=4)["id"])
+    assert main(["trace", rid, "--url", router_url]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"request {rid}  mode disagg  state FINISHED")
+    states = [line.split()[0] for line in out[2:-1]]
+    assert states[:3] == ["RECEIVED", "ROUTED", "RESERVED"] and states[-1] == "FINISHED"
+    assert out[-1].startswith("phases: reserve ") and " transfer " in out[-1]
+    assert main(["trace", "cmpl-unknown", "--url", router_url]) == 2
+    assert "unknown or evicted request cmpl-unknown" in capsys.readouterr().err
