@@ -23,10 +23,12 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 from pydantic import BaseModel, ValidationError
 
+from pdserve.clock import MonotonicClock
 from pdserve.errors import InvalidRequest, NoCapacity, WorkerCallError, WorkerUnreachable
 from pdserve.model.config import load_config
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.router import metrics as metrics_mod
+from pdserve.router.breaker import CircuitBreaker
 from pdserve.router.colocated import ColocatedFlow
 from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.disagg import DisaggFlow
@@ -61,10 +63,22 @@ class RouterHealth(BaseModel):
 
     status: str  # "ok" when some request can be served in the current mode, else "degraded"
     pid: int
+    # The operator's mode, and the one new requests get now (colocated while the breaker is open).
     mode: Mode
+    effective_mode: Mode
+    breaker: BreakerView
     model: str
     compatible_digest: str | None
     workers: list[WorkerSummary]
+
+
+class BreakerView(BaseModel):
+    """The KV-path circuit breaker in GET /health."""
+
+    enabled: bool
+    state: str
+    failure_rate: float
+    last_transition: str | None
 
 
 class ModeChange(BaseModel):
@@ -126,11 +140,31 @@ class _Routes:
             status="ok" if ok else "degraded",
             pid=os.getpid(),
             mode=mode,
+            effective_mode=self._dispatcher.effective_mode,
+            breaker=self._breaker_view(),
             model=self._config.model_name,
             compatible_digest=compatible_digest(views),
             workers=workers,
         )
         return web.json_response(text=body.model_dump_json())
+
+    def _breaker_view(self) -> BreakerView:
+        breaker = self._dispatcher.breaker
+        if breaker is None:
+            return BreakerView(
+                enabled=False, state="closed", failure_rate=0.0, last_transition=None
+            )
+        last = breaker.transitions[-1] if breaker.transitions else None
+        return BreakerView(
+            enabled=self._config.breaker.enabled,
+            state=breaker.state.value,
+            failure_rate=breaker.failure_rate,
+            last_transition=(
+                None
+                if last is None
+                else f"{last.source.value} -> {last.target.value}: {last.reason}"
+            ),
+        )
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(
@@ -223,14 +257,22 @@ async def create_app(config: RouterConfig) -> web.Application:
             tokenizer.eos_token_ids,
             recovery=config.recovery,
             lease_ttl_s=config.lease_ttl_s,
-            on_kv_outcome=None,  # the circuit breaker is wired here
+            on_kv_outcome=lambda ok, reason: record_kv_outcome(ok, reason),
         ),
         "colocated": ColocatedFlow(pool, client),
     }
-    dispatcher = Dispatcher(config.mode, flows)
-    metrics = RouterMetrics()
+    breaker = CircuitBreaker(config.breaker, MonotonicClock())
+    dispatcher = Dispatcher(config.mode, flows, breaker=breaker)
+    metrics = RouterMetrics(breaker=breaker)
+
+    def record_kv_outcome(ok: bool, reason: str) -> None:
+        metrics.kv_handoffs["ok" if ok else "failed"] += 1
+        dispatcher.record_kv_outcome(ok, reason)
+
     app = web.Application(middlewares=[_middleware(config, dispatcher, metrics)])
-    OpenAIApi(config, tokenizer, max_model_len, dispatcher, metrics).add_routes(app)
+    api = OpenAIApi(config, tokenizer, max_model_len, dispatcher, metrics)
+    metrics.handoff_spikes = api.spikes.counts
+    api.add_routes(app)
     routes = _Routes(config, pool, dispatcher, metrics)
     app.router.add_get("/health", routes.health)
     app.router.add_get("/metrics", routes.metrics)

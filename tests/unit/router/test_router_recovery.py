@@ -7,6 +7,7 @@ after commit migrates; refused reservations wait in the bounded queue, never pre
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from fake_worker import FakeWorker
 from router_harness import completion, router, run
 
 from pdserve.model.tokenizer import Tokenizer
-from pdserve.router.config import RecoveryConfig
+from pdserve.router.config import BreakerConfig, RecoveryConfig
 
 
 @pytest.fixture(scope="module")
@@ -175,5 +176,43 @@ def test_queue_gives_up_after_its_timeout(tiny_model_path: Path, tokens: list[in
             assert resp.status == 503
             assert "waited 0.3 s" in (await resp.json())["error"]["message"]
             assert len(d.paths()) > 2 and p.paths() == []
+
+    run(body)
+
+
+def test_breaker_colocates_after_failed_handoffs_and_a_probe_restores_disagg(
+    tiny_model_path: Path, tokens: list[int]
+) -> None:
+    p = FakeWorker("prefill", tokens)
+    d = FakeWorker("both", tokens, fail_kv_times=100)
+    breaker = BreakerConfig(window=4, min_samples=2, failure_rate=0.5, cooldown_s=0.3)
+    recovery = RecoveryConfig(steps=("local_prefill",))
+
+    async def body() -> None:
+        async with router(tiny_model_path, [p, d], breaker=breaker, recovery=recovery) as client:
+            for _ in range(2):  # both handoffs fail; the decode worker recomputes locally
+                resp = await client.post("/v1/completions", json=completion(3))
+                assert resp.status == 200, await resp.text()
+            health = await (await client.get("/health")).json()
+            assert health["breaker"]["state"] == "open"
+            assert (health["mode"], health["effective_mode"]) == ("disagg", "colocated")
+            assert "2/2 handoffs failed" in health["breaker"]["last_transition"]
+            d.calls.clear()
+            resp = await client.post("/v1/completions", json=completion(3))
+            assert resp.status == 200 and d.paths() == ["/generate"]  # colocated, no reserve
+            d.fail_kv_times = 0  # the KV path heals
+            await asyncio.sleep(0.35)
+            d.calls.clear()
+            resp = await client.post("/v1/completions", json=completion(3))
+            assert resp.status == 200 and d.paths()[:2] == ["/reserve", "/decode"]  # the probe
+            health = await (await client.get("/health")).json()
+            assert health["breaker"]["state"] == "closed"
+            text = await (await client.get("/metrics")).text()
+            assert 'pdserve_router_breaker_transitions_total{from="closed",to="open"} 1' in text
+            assert (
+                'pdserve_router_breaker_transitions_total{from="half_open",to="closed"} 1' in text
+            )
+            assert 'pdserve_router_kv_handoffs_total{outcome="failed"} 2' in text
+            assert "pdserve_router_breaker_state 0" in text
 
     run(body)
