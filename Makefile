@@ -13,14 +13,18 @@ PY := .venv/bin/python
 
 install: .venv/.installed
 
+# etcd for the membership tests (Debian's etcd-server 3.4); the tests start and stop their own.
+etcd:
+	@command -v etcd >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server; }
+
 # Router + 1 prefill + 1 decode worker on http://127.0.0.1:8000, embedded tiny model; Ctrl-C stops all.
 run: install
 	$(PY) -m pdserve up
 
-test: install
+test: install etcd
 	$(PY) -m ruff check pdserve tests benchmarks
 	$(PY) -m ruff format --check pdserve tests benchmarks
 	$(PY) -m mypy
 	$(PY) -m pytest -q
 
-.PHONY: install run test
+.PHONY: install etcd run test

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ValidationError
 
 from pdserve.clock import MonotonicClock
 from pdserve.errors import InvalidRequest, NoCapacity, WorkerCallError, WorkerUnreachable
+from pdserve.membership import open_membership
 from pdserve.model.config import load_config
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.router import metrics as metrics_mod
@@ -247,9 +248,10 @@ async def create_app(config: RouterConfig) -> web.Application:
     """The router application for `config`; call inside the running event loop."""
     tokenizer = Tokenizer(config.model)
     max_model_len = load_config(config.model).max_position_embeddings
+    membership = open_membership(config.discovery, config.workers)
     session = aiohttp.ClientSession()
     client = WorkerClient(session, ClientTimeouts())
-    pool = WorkerPool(config.workers, client, config.health_poll_interval_s)
+    pool = WorkerPool((), client, config.health_poll_interval_s, membership=membership)
     flows: dict[Mode, Flow] = {
         "disagg": DisaggFlow(
             pool,

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 from pdserve.errors import ConfigError
+from pdserve.membership.uri import parse_discovery
 
 Mode = Literal["disagg", "colocated"]
 MODES: tuple[Mode, ...] = ("disagg", "colocated")
@@ -119,10 +120,16 @@ class RouterConfig:
     lease_ttl_s: float = 30.0
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    # Where workers register ("etcd://HOST:PORT[/PREFIX]"); None: the static `workers` list.
+    discovery: str | None = None
 
     def __post_init__(self) -> None:
-        if not self.workers:
-            raise ConfigError("worker: at least one --worker URL is needed")
+        if self.discovery is not None:
+            parse_discovery(self.discovery)
+            if self.workers:
+                raise ConfigError("worker: give --worker URLs or --discovery, not both")
+        elif not self.workers:
+            raise ConfigError("worker: at least one --worker URL (or --discovery) is needed")
         for url in self.workers:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"worker: {url!r} is not an http(s) URL")

@@ -40,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     """The router's command-line flags."""
     p = argparse.ArgumentParser(prog="pdserve router", description=__doc__.splitlines()[0])
     p.add_argument("--worker", action="append", default=[], help="worker base URL (repeatable)")
+    p.add_argument(
+        "--discovery",
+        default=None,
+        metavar="etcd://HOST:PORT[/PREFIX]",
+        help="find workers registered in etcd instead of --worker URLs",
+    )
     p.add_argument("--mode", choices=MODES, default="disagg")
     p.add_argument("--model", default=None, help="model folder (default: the tiny built-in)")
     p.add_argument("--host", default="127.0.0.1")
@@ -81,6 +87,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
         model = Path(args.model)
     return RouterConfig(
         workers=tuple(args.worker),
+        discovery=args.discovery,
         model=model,
         mode=parse_mode(args.mode),
         host=args.host,
@@ -145,7 +152,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PdserveError as exc:
         print(f"pdserve router: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config))
+    except PdserveError as exc:
+        print(f"pdserve router: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -16,6 +16,9 @@ A `FaultPlan` lists faults by send index, or draws them with a probability. Ever
 from an RNG seeded by (plan seed, send index), so a plan gives the same faults at the same
 places in every run and process. Receives and `aclose` pass straight through.
 
+`InjectorStream` applies the same actions (`apply_send_fault`) as decided by a process's
+`pdserve.faults.FaultInjector` at the `transfer.send` site, plus crash (the process dies).
+
 This module knows bytes and send counts only: no frames, no sessions.
 """
 
@@ -28,6 +31,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from pdserve.errors import PeerClosed
+from pdserve.faults import FaultInjector, FaultKind, FaultSite, crash
 from pdserve.transfer.stream import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream, byte_views
 
 
@@ -120,22 +124,93 @@ class FaultyStream(ByteStream):
             await self.inner.send(views)
             return
         self.injected.append(fault)
-        match fault.action:
-            case FaultAction.DELAY:
-                await self._sleep(self.plan.delay_s)
-                await self.inner.send(views)
-            case FaultAction.DROP:
-                pass
-            case FaultAction.CORRUPT:
-                await self.inner.send(_flip_bit(views, fault.byte_offset, fault.bit))
-            case FaultAction.TRUNCATE:
-                await self.inner.send(_prefix(views, fault.byte_offset))
-                await self.inner.aclose()
-            case FaultAction.CLOSE:
-                await self.inner.aclose()
-                raise PeerClosed(f"faulty stream: closed at send {fault.send_index}")
-            case FaultAction.STALL:
-                await asyncio.Event().wait()
+        await apply_send_fault(
+            self.inner,
+            views,
+            fault.action,
+            fault.byte_offset,
+            fault.bit,
+            self.plan.delay_s,
+            self._sleep,
+            f"send {fault.send_index}",
+        )
+
+    async def receive_into(self, view: memoryview) -> None:
+        """Pass through to `inner`."""
+        await self.inner.receive_into(view)
+
+    async def receive_some(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
+        """Pass through to `inner`."""
+        return await self.inner.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        """Pass through to `inner`."""
+        await self.inner.aclose()
+
+
+async def apply_send_fault(
+    inner: ByteStream,
+    views: list[memoryview],
+    action: FaultAction,
+    byte_offset: int,
+    bit: int,
+    delay_s: float,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    where: str = "",
+) -> None:
+    """Do `action` to one send of `views` on `inner` (the table above).
+
+    `byte_offset` is the corrupted byte or the truncated prefix's length, already in range.
+    """
+    match action:
+        case FaultAction.DELAY:
+            await sleep(delay_s)
+            await inner.send(views)
+        case FaultAction.DROP:
+            pass
+        case FaultAction.CORRUPT:
+            await inner.send(_flip_bit(views, byte_offset, bit))
+        case FaultAction.TRUNCATE:
+            await inner.send(_prefix(views, byte_offset))
+            await inner.aclose()
+        case FaultAction.CLOSE:
+            await inner.aclose()
+            raise PeerClosed(f"faulty stream: closed at {where}")
+        case FaultAction.STALL:
+            await asyncio.Event().wait()
+
+
+class InjectorStream(ByteStream):
+    """Wraps `inner`, asking a process's `FaultInjector` at `transfer.send` on each send.
+
+    The rule's bytes-level actions are applied as `FaultyStream` applies a plan's; crash kills
+    the process. Unlike a `FaultyStream`, the hit count is the injector's, shared by every
+    stream of the process, so `after=N` means after N sends of any transfer.
+    """
+
+    def __init__(self, inner: ByteStream, faults: FaultInjector) -> None:
+        self.inner = inner
+        self._faults = faults
+
+    async def send(self, buffers: Sequence[Buffer]) -> None:
+        """Send through `inner`, unless the injector fires a rule on this send."""
+        views = byte_views(buffers)
+        num_bytes = sum(v.nbytes for v in views)
+        rule = self._faults.fire(FaultSite.TRANSFER_SEND, num_bytes)
+        if rule is None:
+            await self.inner.send(views)
+            return
+        if rule.action is FaultKind.CRASH:
+            crash(rule)
+        action = FaultAction(rule.action.value)
+        offset = rule.offset or 0
+        # As FaultPlan: a corrupted byte must exist, a truncation may keep the whole send.
+        limit = num_bytes - 1 if action is FaultAction.CORRUPT else num_bytes
+        offset = max(0, min(offset, limit))
+        # The flipped bit follows from the offset, so a spec with an offset fixes the damage.
+        await apply_send_fault(
+            self.inner, views, action, offset, offset % 8, rule.delay_s, where=rule.spec()
+        )
 
     async def receive_into(self, view: memoryview) -> None:
         """Pass through to `inner`."""

@@ -14,7 +14,7 @@ lease checks in as callbacks).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.errors import PdserveError, StaleAttempt, TransferError
@@ -44,11 +44,20 @@ class IncomingTransfer:
     last_error: str | None = field(default=None, init=False)
 
 
-class KVReceiver:
-    """All transfers one decode endpoint expects; `handle` serves one connection."""
+ChunkHook = Callable[[], Awaitable[bool]]
+"""Awaited once per accepted Chunk, before its data lands; False drops the connection."""
 
-    def __init__(self, fingerprint: FingerprintMap) -> None:
+
+class KVReceiver:
+    """All transfers one decode endpoint expects; `handle` serves one connection.
+
+    `on_chunk` (tests' fault injection) may delay a chunk or drop the connection: the attempt
+    is then lost, as when the link breaks, and the sender's retry starts a new one.
+    """
+
+    def __init__(self, fingerprint: FingerprintMap, on_chunk: ChunkHook | None = None) -> None:
         self.fingerprint = dict(fingerprint)
+        self._on_chunk = on_chunk
         self._expected: dict[bytes, IncomingTransfer] = {}
         self.num_verified = 0
         self.num_failed_attempts = 0
@@ -86,6 +95,8 @@ class KVReceiver:
             try:
                 replies = session.receive(header, message)
                 if isinstance(message, Chunk):
+                    if self._on_chunk is not None and not await self._chunk_hook(incoming):
+                        return
                     replies += await self._land(stream, incoming, message)
             except StaleAttempt:
                 if header.data_len:
@@ -103,6 +114,20 @@ class KVReceiver:
                 incoming.notified = True
                 self.num_verified += 1
                 incoming.on_verified()
+
+    async def _chunk_hook(self, incoming: IncomingTransfer) -> bool:
+        assert self._on_chunk is not None
+        if not await self._on_chunk():
+            incoming.last_error = "connection dropped before a chunk landed"
+            self.num_failed_attempts += 1
+            return False
+        # The hook may have waited: the reservation must still own its blocks before any data
+        # is written into them (the guard raises LeaseError once it does not).
+        if self._expected.get(incoming.plan.transfer_id) is not incoming:
+            return False
+        if incoming.guard is not None:
+            incoming.guard()
+        return True
 
     async def _land(
         self, stream: ByteStream, incoming: IncomingTransfer, chunk: Chunk

@@ -18,6 +18,7 @@ It knows HTTP, the protocol models and the worker's parts; not sockets of the KV
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import time
@@ -29,16 +30,20 @@ from pydantic import BaseModel
 
 from pdserve.engine.engine import Engine
 from pdserve.errors import EngineError, PdserveError, RequestNotFound, WrongRole
+from pdserve.faults import FaultClosed, FaultInjector, FaultSite, parse_rules, perform
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.engine_loop import DeltaQueue, EngineInfo, EngineLoop
-from pdserve.worker.http_errors import error_middleware
+from pdserve.worker.http_errors import Handler, error_middleware
 from pdserve.worker.kv_inbox import KVInbox
 from pdserve.worker.kv_outbox import Destination, KVOutbox
 from pdserve.worker.lease_keeper import LeaseKeeper
 from pdserve.worker.metrics import WorkerCounters, render
 from pdserve.worker.protocol import (
     DecodeRequest,
+    FaultPlanBody,
+    FaultState,
     GenerateRequest,
+    InjectedFaultModel,
     PrefillRequest,
     PrefillResult,
     ReleaseRequest,
@@ -72,6 +77,18 @@ def _held_kv(request_id: str) -> Callable[[Engine], tuple[list[memoryview], list
     return read
 
 
+@web.middleware
+async def _close_on_fault(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """An injected close ends the connection with no response, as a dying worker would."""
+    try:
+        return await handler(request)
+    except FaultClosed:
+        if request.transport is not None:
+            request.transport.close()
+        # Not an error to render: aiohttp treats a cancelled handler as a client that left.
+        raise asyncio.CancelledError from None
+
+
 class WorkerAPI:
     """Handlers of one worker; `app()` builds the aiohttp application."""
 
@@ -83,6 +100,7 @@ class WorkerAPI:
         leases: LeaseKeeper,
         inbox: KVInbox | None,
         outbox: KVOutbox | None,
+        faults: FaultInjector | None = None,
     ) -> None:
         self.config = config
         self.worker_id = config.worker_id
@@ -91,10 +109,15 @@ class WorkerAPI:
         self.leases = leases
         self.inbox = inbox
         self.outbox = outbox
+        # Fault injection (tests only): None unless enabled, and then every site is skipped.
+        self.faults = faults
 
     def app(self) -> web.Application:
-        """The application with every route of the protocol."""
-        app = web.Application(middlewares=[error_middleware(self.worker_id)])
+        """The application with every route of the protocol (+ /admin/faults if enabled)."""
+        middlewares = [error_middleware(self.worker_id)]
+        if self.faults is not None:
+            middlewares.append(_close_on_fault)  # inner: runs before errors are rendered
+        app = web.Application(middlewares=middlewares)
         app.add_routes(
             [
                 web.get("/health", self.health),
@@ -106,6 +129,14 @@ class WorkerAPI:
                 web.get("/metrics", self.metrics),
             ]
         )
+        if self.config.enable_fault_admin:
+            app.add_routes(
+                [
+                    web.get("/admin/faults", self.get_faults),
+                    web.post("/admin/faults", self.set_faults),
+                    web.delete("/admin/faults", self.clear_faults),
+                ]
+            )
         return app
 
     # ---- helpers ---------------------------------------------------------------------------
@@ -127,9 +158,12 @@ class WorkerAPI:
     async def _stream(self, queue: DeltaQueue, response: web.StreamResponse) -> None:
         while True:
             delta = await queue.get()
+            token_ids = list(delta.new_token_ids)
+            if self.faults is not None:
+                token_ids = await self._token_faults(token_ids, response)
             error = "the engine failed this request" if delta.finish_reason == "error" else None
             event = TokenEvent(
-                token_ids=list(delta.new_token_ids),
+                token_ids=token_ids,
                 finished=delta.finished,
                 finish_reason=delta.finish_reason,
                 error=error,
@@ -137,6 +171,22 @@ class WorkerAPI:
             await response.write(event.model_dump_json().encode() + b"\n")
             if delta.finished:
                 return
+
+    async def _token_faults(self, token_ids: list[int], response: web.StreamResponse) -> list[int]:
+        """The `worker.decode_tokens` site, one hit per token, fired before the token is
+        written: tokens ahead of a firing go out first. Returns the tokens still to write."""
+        assert self.faults is not None
+        written = 0
+        for i in range(len(token_ids)):
+            rule = self.faults.fire(FaultSite.WORKER_DECODE_TOKENS)
+            if rule is None:
+                continue
+            if i > written:
+                event = TokenEvent(token_ids=token_ids[written:i])
+                await response.write(event.model_dump_json().encode() + b"\n")
+                written = i
+            await perform(rule)
+        return token_ids[written:]
 
     async def _open_stream(self, request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": NDJSON})
@@ -171,6 +221,8 @@ class WorkerAPI:
         """POST /reserve ReserveRequest -> Reservation."""
         inbox = self._need_inbox("/reserve")
         body = await _parse(request, ReserveRequest)
+        if self.faults is not None and (rule := self.faults.fire(FaultSite.WORKER_RESERVE)):
+            await perform(rule)
         return _json(await inbox.reserve(body))
 
     async def prefill(self, request: web.Request) -> web.Response:
@@ -180,6 +232,8 @@ class WorkerAPI:
         rid = body.request_id
         params = body.sampling.to_params()
         destination = Destination.parse(body.reservation) if body.reservation else None
+        if self.faults is not None and (rule := self.faults.fire(FaultSite.WORKER_PREFILL)):
+            await perform(rule)
         start_ns = time.monotonic_ns()
         # One token, sampled with the request's own params (seed included): the sampler keys
         # token 0's randomness by (seed, 0), so it is the token a colocated run draws.
@@ -203,6 +257,8 @@ class WorkerAPI:
         finally:
             if not handed_over:
                 await self.engine.abort(rid)  # frees held KV too: nothing to send it to
+        if self.faults is not None and (rule := self.faults.fire(FaultSite.WORKER_PREFILL_REPLY)):
+            await perform(rule)
         return _json(
             PrefillResult(
                 request_id=rid,
@@ -302,3 +358,34 @@ class WorkerAPI:
         )
         text = render(self.worker_id, stats, self.leases.num_active, counters)
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+    # ---- fault admin (only with enable_fault_admin) ---------------------------------------
+
+    def _fault_state(self) -> FaultState:
+        assert self.faults is not None  # built whenever the admin routes exist
+        return FaultState(
+            rules=[rule.spec() for rule in self.faults.rules],
+            seed=self.faults.seed,
+            injected=[
+                InjectedFaultModel(site=i.site.value, hit=i.hit, action=i.action.value)
+                for i in self.faults.injected
+            ],
+            hits={site.value: n for site, n in self.faults.hits.items()},
+        )
+
+    async def get_faults(self, request: web.Request) -> web.Response:
+        """GET /admin/faults -> FaultState."""
+        return _json(self._fault_state())
+
+    async def set_faults(self, request: web.Request) -> web.Response:
+        """POST /admin/faults FaultPlanBody -> FaultState; a bad rule is 400, naming it."""
+        assert self.faults is not None
+        body = await _parse(request, FaultPlanBody)
+        self.faults.reset(parse_rules(body.rules), body.seed)
+        return _json(self._fault_state())
+
+    async def clear_faults(self, request: web.Request) -> web.Response:
+        """DELETE /admin/faults -> FaultState of the empty plan."""
+        assert self.faults is not None
+        self.faults.reset()
+        return _json(self._fault_state())

@@ -12,8 +12,12 @@ from pathlib import Path
 
 from pdserve.config import EngineConfig
 from pdserve.errors import ConfigError
+from pdserve.faults import parse_rules
+from pdserve.membership.codec import check_worker_id
+from pdserve.membership.uri import parse_discovery
 
 ROLES = ("prefill", "decode", "both")
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +38,20 @@ class WorkerConfig:
     # Seconds between lease-expiry sweeps.
     reap_interval_s: float = 0.5
     engine: EngineConfig = field(default_factory=EngineConfig)
+    # Fault-injection rules (`pdserve.faults` syntax), for tests only; () injects nothing.
+    faults: tuple[str, ...] = ()
+    # Seed of the fault plan's draws.
+    fault_seed: int = 0
+    # Serve GET/POST/DELETE /admin/faults (replace the plan at run time); off: no such routes.
+    enable_fault_admin: bool = False
+    # Where to register for routers to find ("etcd://HOST:PORT[/PREFIX]"); None: not at all.
+    discovery: str | None = None
+    # The host others reach this worker at, registered in its URL; None: `host`. Needed when
+    # `host` is a wildcard (0.0.0.0) or a name only this machine resolves.
+    advertise_host: str | None = None
+    # Seconds the registration outlives the last keep-alive: a worker that dies leaves the
+    # routers' pools within this. Whole seconds (etcd leases are).
+    membership_ttl_s: int = 10
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -44,6 +62,29 @@ class WorkerConfig:
                 raise ConfigError(f"{name}: must be an integer in 0..65535, got {value!r}")
         if not self.reap_interval_s > 0:
             raise ConfigError(f"reap_interval_s: must be > 0, got {self.reap_interval_s!r}")
+        parse_rules(self.faults)  # a bad rule fails at start, named
+        if self.discovery is not None:
+            self._check_discovery()
+
+    def _check_discovery(self) -> None:
+        parse_discovery(self.discovery or "")
+        if self.worker_id:  # "" becomes "<role>-<pid>", which is a valid key segment
+            check_worker_id(self.worker_id)
+        if not isinstance(self.membership_ttl_s, int) or self.membership_ttl_s < 1:
+            raise ConfigError(
+                f"membership-ttl-s: must be a whole number of seconds >= 1,"
+                f" got {self.membership_ttl_s!r}"
+            )
+        if self.advertise_host is None and self.host in _WILDCARD_HOSTS:
+            raise ConfigError(
+                f"advertise-host: needed with --host {self.host}: others cannot reach a"
+                " wildcard address"
+            )
+
+    @property
+    def advertised_host(self) -> str:
+        """The host in the URL and KV address this worker registers."""
+        return self.advertise_host or self.host
 
     @property
     def serves_decode(self) -> bool:

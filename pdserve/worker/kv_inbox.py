@@ -26,6 +26,7 @@ import os
 from dataclasses import dataclass, field
 
 from pdserve.errors import KVNotReady, RequestNotFound
+from pdserve.faults import FaultInjector, FaultKind, FaultSite, perform
 from pdserve.transfer.messages import KVLayout, token_digest
 from pdserve.transfer.receiver import IncomingTransfer, KVReceiver
 from pdserve.transfer.receiver_session import ReceivePlan
@@ -50,11 +51,21 @@ class _Pending:
 class KVInbox:
     """Every reservation of one decode worker and the TCP endpoint its KV arrives on."""
 
-    def __init__(self, engine: EngineLoop, info: EngineInfo, leases: LeaseKeeper) -> None:
+    def __init__(
+        self,
+        engine: EngineLoop,
+        info: EngineInfo,
+        leases: LeaseKeeper,
+        faults: FaultInjector | None = None,
+    ) -> None:
         self._engine = engine
         self._info = info
         self._leases = leases
-        self.receiver = KVReceiver(info.fingerprint)
+        self._faults = faults
+        # No hook at all when faults are off: the receiver's chunk path stays as it is.
+        self.receiver = KVReceiver(
+            info.fingerprint, on_chunk=self._chunk_fault if faults is not None else None
+        )
         self._pending: dict[str, _Pending] = {}
         self._server: TcpServer | None = None
         self._tasks: set[asyncio.Task[int]] = set()
@@ -173,6 +184,17 @@ class KVInbox:
     def has(self, request_id: str) -> bool:
         """Whether a reservation for the request is pending."""
         return request_id in self._pending
+
+    async def _chunk_fault(self) -> bool:
+        """The `transfer.recv_chunk` site: False (close) drops the KV connection."""
+        assert self._faults is not None
+        rule = self._faults.fire(FaultSite.TRANSFER_RECV_CHUNK)
+        if rule is None:
+            return True
+        if rule.action is FaultKind.CLOSE:
+            return False
+        await perform(rule)
+        return True
 
     def _verified(self, pending: _Pending) -> None:
         pending.verified = True

@@ -23,6 +23,8 @@ import logging
 from dataclasses import dataclass
 
 from pdserve.errors import ConfigError
+from pdserve.faults import FaultInjector
+from pdserve.transfer.faulty import InjectorStream
 from pdserve.transfer.messages import KVLayout, token_digest
 from pdserve.transfer.sender import (
     LeaseHandle,
@@ -84,11 +86,14 @@ class KVOutbox:
         info: EngineInfo,
         leases: LeaseKeeper,
         policy: SendPolicy | None = None,
+        faults: FaultInjector | None = None,
     ) -> None:
         self._engine = engine
         self._info = info
         self._leases = leases
         self._policy = policy or SendPolicy()
+        # The `transfer.send` site: every KV stream is wrapped only when faults are on.
+        self._faults = faults
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.num_sent = 0
         self.num_failed = 0
@@ -170,8 +175,11 @@ class KVOutbox:
             )
             session = SenderSession(destination.transfer_id, info.fingerprint)
 
+            faults = self._faults
+
             async def connect() -> ByteStream:
-                return await open_tcp_stream(destination.address)
+                stream = await open_tcp_stream(destination.address)
+                return stream if faults is None else InjectorStream(stream, faults)
 
             await send_with_retries(
                 connect,

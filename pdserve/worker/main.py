@@ -14,7 +14,9 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -52,7 +54,42 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-num-batched-tokens", type=int, default=_ENGINE_DEFAULTS.max_num_batched_tokens
     )
     p.add_argument("--ready-file", type=Path, default=None, help='write {"url","pid"} here')
+    p.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="tests only: inject SITE:ACTION[:key=value,...] (repeatable)",
+    )
+    p.add_argument("--fault-seed", type=int, default=0, help="seed of the fault plan's draws")
+    p.add_argument(
+        "--enable-fault-admin", action="store_true", help="tests only: serve /admin/faults"
+    )
+    m = p.add_argument_group("membership (several machines)")
+    m.add_argument(
+        "--discovery",
+        default=None,
+        metavar="etcd://HOST:PORT[/PREFIX]",
+        help="register in etcd under a lease, for routers started with the same --discovery",
+    )
+    m.add_argument(
+        "--advertise-host", default=None, help="host others reach this worker at (default: --host)"
+    )
+    m.add_argument(
+        "--membership-ttl-s",
+        type=int,
+        default=10,
+        help="lease TTL: a dead worker leaves the routers' pools within this",
+    )
     return p
+
+
+def _default_worker_id(args: argparse.Namespace) -> str:
+    if args.discovery is None:
+        return f"{args.role}-{os.getpid()}"
+    # Registered ids are cluster-wide keys: pids alone repeat across machines.
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())
+    return f"{args.role}-{host}-{os.getpid()}"
 
 
 def build_config(args: argparse.Namespace) -> WorkerConfig:
@@ -73,8 +110,14 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         host=args.host,
         port=args.port,
         kv_port=args.kv_port,
-        worker_id=args.worker_id or f"{args.role}-{os.getpid()}",
+        worker_id=args.worker_id or _default_worker_id(args),
         ready_file=args.ready_file,
+        faults=tuple(args.fault),
+        fault_seed=args.fault_seed,
+        enable_fault_admin=args.enable_fault_admin,
+        discovery=args.discovery,
+        advertise_host=args.advertise_host,
+        membership_ttl_s=args.membership_ttl_s,
         engine=engine,
     )
 

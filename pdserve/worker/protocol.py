@@ -186,3 +186,29 @@ class ErrorBody(_Model):
     type: str
     retryable: bool = False
     worker_id: str | None = None
+
+
+class FaultPlanBody(_Model):
+    """POST /admin/faults: the fault plan that replaces the current one (tests only)."""
+
+    # `pdserve.faults` rules, `SITE:ACTION[:key=value,...]`, applied in order.
+    rules: list[str]
+    seed: int = 0
+
+
+class InjectedFaultModel(_Model):
+    """One fault that fired: its site, the 0-based hit index there, and the action."""
+
+    site: str
+    hit: int
+    action: str
+
+
+class FaultState(_Model):
+    """GET /admin/faults: the plan and what it injected since it was set."""
+
+    rules: list[str]
+    seed: int
+    injected: list[InjectedFaultModel]
+    # Hits counted per site since the plan was set.
+    hits: dict[str, int]

@@ -3,8 +3,10 @@
 Start: the engine thread (loads the model), the lease reaper, the KV endpoint (decode/both),
 the outbox (prefill/both), then the HTTP server; only once it listens is the ready file
 written, atomically, with the real URL (port 0 picks a free one), so a launcher never reads a
-half-written file or a URL nobody answers. Stop: HTTP first (no new work), then sends and
-reservations (their KV is released into the engine), the reaper, and last the engine thread.
+half-written file or a URL nobody answers. With `discovery` set the worker registers (etcd
+lease) once both endpoints listen, before the ready file. Stop: the registration first (routers
+drop the worker), HTTP (no new work), then sends and reservations (their KV is released into
+the engine), the reaper, and last the engine thread.
 
 It knows how the parts fit together; the parts themselves live in their own modules.
 """
@@ -19,6 +21,8 @@ from pathlib import Path
 from aiohttp import web
 
 from pdserve.engine.engine import Engine
+from pdserve.faults import FaultInjector, parse_rules
+from pdserve.membership import Member, Registration, open_registration
 from pdserve.worker.app import WorkerAPI
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.engine_loop import EngineLoop
@@ -48,7 +52,12 @@ class Worker:
         self.leases = LeaseKeeper(config.reap_interval_s)
         self.inbox: KVInbox | None = None
         self.outbox: KVOutbox | None = None
+        # Fault injection exists only when asked for; None keeps every site a no-op.
+        self.faults: FaultInjector | None = None
+        if config.faults or config.enable_fault_admin:
+            self.faults = FaultInjector(parse_rules(config.faults), config.fault_seed)
         self._runner: web.AppRunner | None = None
+        self.registration: Registration | None = None
 
     async def start(self) -> str:
         """Bring every part up; returns the HTTP URL once it listens."""
@@ -56,11 +65,13 @@ class Worker:
         info = await self.engine.start()
         self.leases.start()
         if c.serves_decode:
-            self.inbox = KVInbox(self.engine, info, self.leases)
+            self.inbox = KVInbox(self.engine, info, self.leases, faults=self.faults)
             await self.inbox.start(c.host, c.kv_port)
         if c.serves_prefill:
-            self.outbox = KVOutbox(self.engine, info, self.leases)
-        api = WorkerAPI(c, info, self.engine, self.leases, self.inbox, self.outbox)
+            self.outbox = KVOutbox(self.engine, info, self.leases, faults=self.faults)
+        api = WorkerAPI(
+            c, info, self.engine, self.leases, self.inbox, self.outbox, faults=self.faults
+        )
         # handler_cancellation: a client that disconnects cancels its handler, whose cleanup
         # aborts the request in the engine.
         self._runner = web.AppRunner(
@@ -74,12 +85,38 @@ class Worker:
         await site.start()
         host, port = self._runner.addresses[0][:2]
         self.url = f"http://{host}:{port}"
+        if c.discovery is not None:
+            # Only now can routers reach both endpoints; the ready file follows, so a
+            # launcher that sees it also finds the worker registered.
+            self.registration = open_registration(
+                c.discovery, self._member(info.fingerprint_digest, port), c.membership_ttl_s
+            )
+            await self.registration.start()
         if c.ready_file is not None:
             write_ready_file(c.ready_file, self.url)
         return self.url
 
+    def _member(self, fingerprint_digest: str, port: int) -> Member:
+        c = self.config
+        host = c.advertised_host
+        host = f"[{host}]" if ":" in host else host
+        transfer = None
+        if self.inbox is not None:
+            transfer = f"{host}:{self.inbox.address.rpartition(':')[2]}"
+        return Member(
+            url=f"http://{host}:{port}",
+            worker_id=c.worker_id or f"{c.role}-{os.getpid()}",
+            role=c.role,
+            fingerprint_digest=fingerprint_digest,
+            transfer_address=transfer,
+        )
+
     async def stop(self) -> None:
         """Stop in reverse order; every held block goes back to the engine first."""
+        if self.registration is not None:
+            # Leave the routers' pools before refusing their calls.
+            await self.registration.stop()
+            self.registration = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

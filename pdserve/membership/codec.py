@@ -1,0 +1,94 @@
+"""Registration keys and values in etcd. Pure: strings and bytes in, `Member`s out.
+
+Layout: one key per worker, `<prefix>/workers/<worker_id>`, attached to the worker's lease,
+whose value is a JSON object (sorted keys, versioned):
+
+    {"version": 1, "worker_id": "decode-0", "url": "http://10.0.0.5:8101", "role": "decode",
+     "fingerprint_digest": "…", "transfer_address": "10.0.0.5:8102"}
+
+A reader rejects a value it cannot trust (not JSON, unknown version, a field missing or of
+the wrong type) with a MembershipError naming the field, and never guesses.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from pdserve.errors import ConfigError
+from pdserve.membership.base import Member, MembershipError
+
+VALUE_VERSION = 1
+# A worker id is one key segment; etcdctl users can type it unquoted.
+_WORKER_ID_RE = re.compile(r"[A-Za-z0-9._-]+")
+_REQUIRED = ("worker_id", "url", "role", "fingerprint_digest")
+
+
+def check_worker_id(worker_id: str) -> str:
+    """`worker_id` if it can be a key segment; ConfigError naming it otherwise."""
+    if not _WORKER_ID_RE.fullmatch(worker_id):
+        raise ConfigError(
+            f"worker-id: {worker_id!r} must be non-empty and use only [A-Za-z0-9._-]"
+            " (it is a key in the membership store)"
+        )
+    return worker_id
+
+
+def workers_prefix(prefix: str) -> str:
+    """The key range every worker of the cluster under `prefix` registers in."""
+    return f"{prefix}/workers/"
+
+
+def worker_key(prefix: str, worker_id: str) -> str:
+    """The key of one worker's registration."""
+    return workers_prefix(prefix) + check_worker_id(worker_id)
+
+
+def encode_member(member: Member) -> bytes:
+    """A registered worker's value; every field but transfer_address must be set."""
+    missing = [name for name in _REQUIRED if getattr(member, name) is None]
+    if missing:
+        raise MembershipError(f"member {member.url}: cannot register without {', '.join(missing)}")
+    body = {
+        "version": VALUE_VERSION,
+        "worker_id": member.worker_id,
+        "url": member.url,
+        "role": member.role,
+        "fingerprint_digest": member.fingerprint_digest,
+        "transfer_address": member.transfer_address,
+    }
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def decode_member(value: bytes) -> Member:
+    """The member a registration value describes; MembershipError if it is not valid."""
+    try:
+        body = json.loads(value)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise MembershipError(f"registration value is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise MembershipError(f"registration value is a {type(body).__name__}, not an object")
+    if body.get("version") != VALUE_VERSION:
+        raise MembershipError(
+            f"registration version {body.get('version')!r} is not supported"
+            f" (this build reads {VALUE_VERSION})"
+        )
+    for name in _REQUIRED:
+        if not isinstance(body.get(name), str) or not body[name]:
+            raise MembershipError(
+                f"registration field {name!r}: {body.get(name)!r} is not a string"
+            )
+    if not body["url"].startswith(("http://", "https://")):
+        raise MembershipError(f"registration field 'url': {body['url']!r} is not an http(s) URL")
+    transfer = body.get("transfer_address")
+    if transfer is not None and not isinstance(transfer, str):
+        raise MembershipError(
+            f"registration field 'transfer_address': {transfer!r} is not a string"
+        )
+    return Member(
+        url=body["url"].rstrip("/"),
+        worker_id=body["worker_id"],
+        role=body["role"],
+        fingerprint_digest=body["fingerprint_digest"],
+        transfer_address=transfer,
+    )
