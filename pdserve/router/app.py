@@ -25,6 +25,7 @@ from pydantic import BaseModel, ValidationError
 
 from pdserve.clock import MonotonicClock
 from pdserve.errors import InvalidRequest, NoCapacity, WorkerCallError, WorkerUnreachable
+from pdserve.faults import FaultInjector, parse_rules
 from pdserve.membership import open_membership
 from pdserve.model.config import load_config
 from pdserve.model.tokenizer import Tokenizer
@@ -37,7 +38,7 @@ from pdserve.router.dispatcher import Dispatcher
 from pdserve.router.flow import Flow
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.openai_api import OpenAIApi, error_body
-from pdserve.router.policy import compatible_digest
+from pdserve.router.policy import compatible_digest, fingerprint_groups, pairing_problems
 from pdserve.router.pool import WorkerPool
 from pdserve.router.worker_client import ClientTimeouts, WorkerClient
 
@@ -59,10 +60,31 @@ class WorkerSummary(BaseModel):
     last_error: str | None
 
 
+class FieldDiffView(BaseModel):
+    """A fingerprint field on which a group differs from the compatible one."""
+
+    field: str
+    value: str | int | float | None
+    compatible_value: str | int | float | None
+
+
+class FingerprintGroupView(BaseModel):
+    """Healthy workers with one fingerprint; only the compatible group is ever paired."""
+
+    digest: str
+    compatible: bool
+    workers: list[str]
+    roles: list[str]
+    differs: list[FieldDiffView]
+
+
 class RouterHealth(BaseModel):
     """GET /health."""
 
-    status: str  # "ok" when some request can be served in the current mode, else "degraded"
+    # "ok" when requests of the effective mode can be served as configured, else "degraded"
+    # with the reasons in `problems` (e.g. pools whose fingerprints cannot pair).
+    status: str
+    problems: list[str]
     pid: int
     # The operator's mode, and the one new requests get now (colocated while the breaker is open).
     mode: Mode
@@ -70,6 +92,7 @@ class RouterHealth(BaseModel):
     breaker: BreakerView
     model: str
     compatible_digest: str | None
+    fingerprint_groups: list[FingerprintGroupView]
     workers: list[WorkerSummary]
 
 
@@ -135,16 +158,30 @@ class _Routes:
             for v in views
         ]
         mode = self._dispatcher.mode
-        needed = ("both",) if mode == "colocated" else ("decode", "both")
-        ok = any(w.healthy and w.role in needed for w in workers)
+        problems = pairing_problems(views, self._dispatcher.effective_mode)
+        groups = [
+            FingerprintGroupView(
+                digest=g.digest,
+                compatible=g.compatible,
+                workers=list(g.worker_urls),
+                roles=list(g.roles),
+                differs=[
+                    FieldDiffView(field=d.field, value=d.value, compatible_value=d.compatible_value)
+                    for d in g.differs
+                ],
+            )
+            for g in fingerprint_groups(views)
+        ]
         body = RouterHealth(
-            status="ok" if ok else "degraded",
+            status="degraded" if problems else "ok",
+            problems=problems,
             pid=os.getpid(),
             mode=mode,
             effective_mode=self._dispatcher.effective_mode,
             breaker=self._breaker_view(),
             model=self._config.model_name,
             compatible_digest=compatible_digest(views),
+            fingerprint_groups=groups,
             workers=workers,
         )
         return web.json_response(text=body.model_dump_json())
@@ -260,6 +297,9 @@ async def create_app(config: RouterConfig) -> web.Application:
             recovery=config.recovery,
             lease_ttl_s=config.lease_ttl_s,
             on_kv_outcome=lambda ok, reason: record_kv_outcome(ok, reason),
+            faults=FaultInjector(parse_rules(config.faults), config.fault_seed)
+            if config.faults
+            else None,
         ),
         "colocated": ColocatedFlow(pool, client),
     }

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 from pdserve.errors import ConfigError
+from pdserve.faults import parse_rules
 from pdserve.membership.uri import parse_discovery
 
 Mode = Literal["disagg", "colocated"]
@@ -122,8 +123,12 @@ class RouterConfig:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     # Where workers register ("etcd://HOST:PORT[/PREFIX]"); None: the static `workers` list.
     discovery: str | None = None
+    # Fault-injection rules at the router's sites (`pdserve.faults` syntax), tests only.
+    faults: tuple[str, ...] = ()
+    fault_seed: int = 0
 
     def __post_init__(self) -> None:
+        parse_rules(self.faults)  # a bad rule fails at start, named
         if self.discovery is not None:
             parse_discovery(self.discovery)
             if self.workers:

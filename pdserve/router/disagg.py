@@ -38,6 +38,7 @@ from collections.abc import AsyncGenerator, Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from pdserve.errors import NoCapacity, RouterError, WorkerCallError, WorkerUnreachable
+from pdserve.faults import FaultClosed, FaultInjector, FaultSite, perform
 from pdserve.router.config import RecoveryConfig
 from pdserve.router.flow import FlowRequest, TokenChunk
 from pdserve.router.policy import WorkerView, pick_prefill, rank_decode
@@ -104,6 +105,7 @@ class DisaggFlow:
         recovery: RecoveryConfig | None = None,
         lease_ttl_s: float = 30.0,
         on_kv_outcome: KVOutcome | None = None,
+        faults: FaultInjector | None = None,
     ) -> None:
         self._pool = pool
         self._client = client
@@ -113,6 +115,8 @@ class DisaggFlow:
         # Told the outcome of every KV handoff (the circuit breaker listens here).
         self._on_kv_outcome = on_kv_outcome or (lambda ok, reason: None)
         self._num_queued = 0
+        # Tests' fault injection at the router's sites; None: every site is a no-op.
+        self._faults = faults
 
     @property
     def num_queued(self) -> int:
@@ -202,6 +206,15 @@ class DisaggFlow:
                 # may hold KV awaiting transfer.
                 await self._release(leg)
             timeline.fail("closed before the worker finished")
+
+    async def _fault(self, site: FaultSite, url: str) -> None:
+        """A router fault site; an injected close reads as the connection to `url` failing."""
+        if self._faults is None or (rule := self._faults.fire(site)) is None:
+            return
+        try:
+            await perform(rule)
+        except FaultClosed as exc:
+            raise WorkerUnreachable(url, str(exc)) from exc
 
     async def _release(self, leg: _Leg) -> None:
         await self._client.release_quietly(leg.decode_url, leg.worker_request_id)
@@ -345,6 +358,7 @@ class DisaggFlow:
                 )
                 with self._pool.inflight(leg.prefill_url):
                     result = await self._client.prefill(leg.prefill_url, prefill)
+                await self._fault(FaultSite.ROUTER_AFTER_PREFILL, leg.prefill_url)
                 return leg, result, attempt + 1
             except BaseException as exc:
                 await self._release(leg)
@@ -378,6 +392,7 @@ class DisaggFlow:
                     decode, prefill = pair
                     timeline.advance(S.ROUTED, f"decode={decode.url} prefill={prefill.url}")
                     try:
+                        await self._fault(FaultSite.ROUTER_BEFORE_RESERVE, decode.url)
                         reservation = await self._client.reserve(
                             decode.url,
                             ReserveRequest(

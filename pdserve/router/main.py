@@ -47,6 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="find workers registered in etcd instead of --worker URLs",
     )
     p.add_argument("--mode", choices=MODES, default="disagg")
+    p.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="tests only: inject SITE:ACTION[:key=value,...] at a router site (repeatable)",
+    )
+    p.add_argument("--fault-seed", type=int, default=0, help="seed of the fault plan's draws")
     p.add_argument("--model", default=None, help="model folder (default: the tiny built-in)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
@@ -88,6 +96,8 @@ def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
     return RouterConfig(
         workers=tuple(args.worker),
         discovery=args.discovery,
+        faults=tuple(args.fault),
+        fault_seed=args.fault_seed,
         model=model,
         mode=parse_mode(args.mode),
         host=args.host,

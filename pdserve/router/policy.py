@@ -103,3 +103,86 @@ def rank_colocated(
     if digest is None:
         return []
     return sorted(_candidates(workers, ("both",), digest, exclude), key=_load_key)
+
+
+@dataclass(frozen=True, slots=True)
+class FieldDiff:
+    """One fingerprint field on which a group differs from the compatible group."""
+
+    field: str
+    value: str | int | float | None
+    compatible_value: str | int | float | None
+
+
+@dataclass(frozen=True, slots=True)
+class FingerprintGroup:
+    """Healthy workers sharing one fingerprint digest, and how it differs from the used one."""
+
+    digest: str
+    # The group the router pairs within (`compatible_digest`).
+    compatible: bool
+    worker_urls: tuple[str, ...]
+    # Sorted, distinct.
+    roles: tuple[str, ...]
+    # Empty for the compatible group; fields in sorted order.
+    differs: tuple[FieldDiff, ...]
+
+
+def fingerprint_groups(workers: Sequence[WorkerView]) -> list[FingerprintGroup]:
+    """Healthy workers grouped by digest: the compatible group first, then by first worker."""
+    live = sorted((w for w in workers if w.healthy and w.health is not None), key=lambda v: v.index)
+    chosen = compatible_digest(live)
+    members: dict[str, list[WorkerView]] = {}
+    for w in live:
+        assert w.health is not None  # filtered above; narrows the type
+        members.setdefault(w.health.fingerprint_digest, []).append(w)
+    fields_of = {d: g[0].health.fingerprint if g[0].health else {} for d, g in members.items()}
+    reference = fields_of.get(chosen, {}) if chosen is not None else {}
+    groups = []
+    for digest, group in members.items():
+        fields = fields_of[digest]
+        differs = tuple(
+            FieldDiff(name, fields.get(name), reference.get(name))
+            for name in sorted({*fields, *reference})
+            if digest != chosen and fields.get(name) != reference.get(name)
+        )
+        roles = tuple(sorted({w.health.role for w in group if w.health is not None}))
+        urls = tuple(w.url for w in group)
+        groups.append(FingerprintGroup(digest, digest == chosen, urls, roles, differs))
+    return sorted(groups, key=lambda g: not g.compatible)
+
+
+def pairing_problems(workers: Sequence[WorkerView], mode: str) -> list[str]:
+    """Why requests in `mode` cannot be served as configured; empty when they can.
+
+    Disaggregated mode needs a decode-capable and a distinct prefill-capable worker in the
+    compatible group; colocated mode a `both` worker. Workers outside the compatible group are
+    reported with the fields that keep them from pairing, since they are never used.
+    """
+    groups = fingerprint_groups(workers)
+    problems: list[str] = []
+    if not groups:
+        return ["no healthy worker"]
+    main = groups[0]
+    for group in groups[1:]:
+        fields = ", ".join(
+            f"{d.field} {d.value!r} != {d.compatible_value!r}" for d in group.differs
+        )
+        problems.append(
+            f"{len(group.worker_urls)} worker(s) ({', '.join(group.worker_urls)}) cannot pair"
+            f" with the compatible group {main.digest}: {fields or 'digest differs'}"
+        )
+    in_main = [w for w in workers if w.url in main.worker_urls and w.health is not None]
+    if mode == "colocated":
+        if not any(w.health is not None and w.health.role == "both" for w in in_main):
+            problems.append("colocated: no worker of role both in the compatible group")
+        return problems
+    decodes = [w for w in in_main if w.health is not None and w.health.role in ("decode", "both")]
+    if not decodes:
+        problems.append("disagg: no decode worker in the compatible group")
+    elif all(pick_prefill(workers, d) is None for d in decodes):
+        problems.append(
+            "disagg: no prefill worker in the compatible group can pair with a decode worker"
+            " (requests fall back to prefill on the decode worker)"
+        )
+    return problems

@@ -1,0 +1,67 @@
+"""The router's fault sites against fake workers: a close reads as a dead connection to the
+worker concerned and the flow's own recovery runs; a bad rule fails the config, named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fake_worker import FakeWorker
+from router_harness import completion, router, run
+
+from pdserve.errors import ConfigError
+from pdserve.model.tokenizer import Tokenizer
+from pdserve.router.config import RouterConfig
+
+
+@pytest.fixture(scope="module")
+def tokens(tiny_model_path: Path) -> list[int]:
+    return Tokenizer(tiny_model_path).encode(" one two three four", add_special_tokens=False)
+
+
+def test_close_after_prefill_reprefills_on_the_other_prefill_worker(
+    tiny_model_path: Path, tokens: list[int]
+) -> None:
+    p1 = FakeWorker("prefill", tokens)
+    p2 = FakeWorker("prefill", tokens, num_running=1)  # ranked after p1
+    d = FakeWorker("decode", tokens)
+    faults = ("router.after_prefill:close",)
+
+    async def body() -> None:
+        async with router(tiny_model_path, [p1, p2, d], faults=faults) as client:
+            resp = await client.post("/v1/completions", json=completion(4))
+            data = await resp.json()
+            assert resp.status == 200, data
+            assert data["choices"][0]["text"] == Tokenizer(tiny_model_path).decode(tokens[:4])
+            # p1 prefilled, then its leg was dropped (released on both sides); p2 took over.
+            assert p1.paths() == ["/prefill", "/release"]
+            assert p2.paths() == ["/prefill"]
+            assert d.paths() == ["/reserve", "/release", "/reserve", "/decode"]
+            assert d.reserved == {}
+
+    run(body)
+
+
+def test_close_before_reserve_moves_to_the_next_decode_worker(
+    tiny_model_path: Path, tokens: list[int]
+) -> None:
+    p = FakeWorker("prefill", tokens)
+    d1 = FakeWorker("decode", tokens)
+    d2 = FakeWorker("decode", tokens, num_running=1)  # ranked after d1
+    faults = ("router.before_reserve:close",)
+
+    async def body() -> None:
+        async with router(tiny_model_path, [p, d1, d2], faults=faults) as client:
+            resp = await client.post("/v1/completions", json=completion(3))
+            assert resp.status == 200, await resp.text()
+            assert d1.paths() == []  # the injected close happened before any call to d1
+            assert d2.paths() == ["/reserve", "/decode"]
+
+    run(body)
+
+
+def test_a_bad_router_fault_rule_is_a_config_error_naming_it(tiny_model_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown site 'router.nowhere'"):
+        RouterConfig(
+            workers=("http://127.0.0.1:1",), model=tiny_model_path, faults=("router.nowhere:crash",)
+        )
