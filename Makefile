@@ -13,18 +13,20 @@ PY := .venv/bin/python
 
 install: .venv/.installed
 
-# etcd for the membership tests (Debian's etcd-server 3.4); the tests start and stop their own.
-etcd:
-	@command -v etcd >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server; }
+# Debian packages the tests use: etcd-server 3.4 (membership; the tests start and stop their
+# own) and iproute2 (`ip netns` for the multi-host test).
+system-deps:
+	@command -v etcd >/dev/null && command -v ip >/dev/null || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server iproute2; }
 
 # Router + 1 prefill + 1 decode worker on http://127.0.0.1:8000, embedded tiny model; Ctrl-C stops all.
 run: install
 	$(PY) -m pdserve up
 
-test: install etcd
+test: install system-deps
 	$(PY) -m ruff check pdserve tests benchmarks
 	$(PY) -m ruff format --check pdserve tests benchmarks
 	$(PY) -m mypy
 	$(PY) -m pytest -q
 
-.PHONY: install etcd run test
+.PHONY: install system-deps run test

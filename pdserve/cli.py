@@ -1,8 +1,9 @@
 """The `pdserve` command line: parses flags once into typed config and hands each part its own.
 
 Commands: `generate` (one completion on the local engine), `up` (router and workers on
-loopback), `worker` and `router` (one process each), `bench engine` (engine throughput against
-transformers). A bad flag or config value exits with status 2 and one line naming it.
+loopback), `worker` and `router` (one process each), `status` and `top` (a cluster's workers,
+blocks and load, once or live), `trace` (one request's timeline), `bench engine` (engine
+throughput against transformers). A bad flag or config value exits with status 2 and one line naming it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from pdserve.errors import PdserveError
 
@@ -77,17 +79,51 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--url", default=None, help="router URL (default: the running `pdserve up`)")
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
+    tp = sub.add_parser("top", help="live view of workers, blocks, load and request latencies")
+    tp.add_argument("--url", default=None, help="router URL (default: the running `pdserve up`)")
+    tp.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    tp.add_argument("--once", action="store_true", help="print one frame, no escape codes")
+
     tr = sub.add_parser("trace", help="one request's timeline as a waterfall")
     tr.add_argument("request_id", help="the id of the OpenAI response (cmpl-…, chatcmpl-…)")
     tr.add_argument("--url", default=None, help="router URL (default: the running `pdserve up`)")
     tr.add_argument("--json", action="store_true", help="print the timeline JSON")
+    tr.add_argument(
+        "--merged",
+        action="store_true",
+        help="add the workers' events, aligned to the router's clock",
+    )
+    tr.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="also draw the merged timeline into FILE (PNG; needs pdserve[plot])",
+    )
 
     for name, what in (
         ("worker", "one worker process"),
         ("router", "the OpenAI-compatible router"),
     ):
-        w = sub.add_parser(name, help=f"run {what} (flags: pdserve {name} -- --help)")
+        # Listed for the top-level help only: `main` hands these commands' arguments, --help
+        # included, straight to the process's own parser.
+        w = sub.add_parser(name, help=f"run {what} (pdserve {name} --help: its flags)")
         w.add_argument("args", nargs=argparse.REMAINDER)
+
+    c = sub.add_parser("chaos", help="fault scenarios against real local clusters, with a report")
+    c.add_argument("--scenario", default="all", help="a scenario name, or all (the default)")
+    c.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
+    c.add_argument(
+        "--model", default=None, help="Hugging Face model folder (default: tiny built-in)"
+    )
+    c.add_argument("--requests", type=_positive_int, default=6, help="concurrent requests")
+    c.add_argument("--max-tokens", type=_positive_int, default=24)
+    c.add_argument("--workdir", type=Path, default=None, help="logs here (default: a temp dir)")
+    c.add_argument(
+        "--no-latency-bound",
+        action="store_true",
+        help="report extra latency without failing on it (on a machine busy with other work)",
+    )
 
     b = sub.add_parser("bench", help="benchmarks that print a table and ratios")
     bsub = b.add_subparsers(dest="bench", required=True)
@@ -95,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(be)
     be.add_argument("--json", default=None, help="write the results as JSON to this file")
     be.add_argument("--quick", action="store_true", help="smaller workloads (CI smoke run)")
+    bm = bsub.add_parser(
+        "multiturn", help="multi-turn chats: round-robin vs affinity routing on local clusters"
+    )
+    from pdserve.bench.multiturn import add_arguments
+
+    add_arguments(bm)
     return parser
 
 
@@ -119,9 +161,29 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench == "multiturn":
+        from pdserve.bench.multiturn import run_multiturn_bench
+
+        return run_multiturn_bench(args)
     from pdserve.bench.engine_bench import run_engine_bench
 
     return run_engine_bench(args)
+
+
+def _cmd_chaos(args: argparse.Namespace) -> int:
+    from pdserve.bench.chaos import ChaosConfig, run_chaos
+    from pdserve.bench.chaos_scenarios import find_scenarios
+
+    config = ChaosConfig(
+        scenarios=find_scenarios(args.scenario),
+        model=args.model,
+        num_requests=args.requests,
+        max_tokens=args.max_tokens,
+        json_path=args.json,
+        workdir=args.workdir,
+        strict_latency=not args.no_latency_bound,
+    )
+    return run_chaos(config)
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
@@ -149,31 +211,57 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_top(args: argparse.Namespace) -> int:
+    from pdserve.status import find_router_url
+    from pdserve.top import run_top
+
+    if args.interval <= 0:
+        print("pdserve top: error: --interval must be > 0", file=sys.stderr)
+        return 2
+    return run_top(find_router_url(args.url), args.interval, args.once)
+
+
 def _cmd_trace(args: argparse.Namespace) -> int:
     import json
 
     from pdserve.observability.trace import fetch_timeline, render_waterfall
     from pdserve.status import find_router_url
 
-    view = fetch_timeline(find_router_url(args.url), args.request_id)
+    merged = args.merged or args.plot is not None
+    view = fetch_timeline(find_router_url(args.url), args.request_id, workers=merged)
     print(json.dumps(view, indent=2) if args.json else render_waterfall(view))
+    if args.plot is not None:
+        from pdserve.observability.plot import save_plot
+
+        save_plot(view, args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr)
     return 0
 
 
-def _cmd_process(args: argparse.Namespace) -> int:
-    # argparse keeps a leading "--" in REMAINDER; the process's own parser must not see it.
-    passthrough = args.args[1:] if args.args[:1] == ["--"] else args.args
-    if args.command == "worker":
+def process_command(argv: Sequence[str]) -> tuple[str, list[str]] | None:
+    """("worker" | "router", that process's own argv) when `argv` runs one, else None."""
+    if argv[:1] not in (["worker"], ["router"]):
+        return None
+    rest = list(argv[1:])
+    # A leading "--" (the older `pdserve worker -- FLAGS` spelling) is not the process's flag.
+    return argv[0], rest[1:] if rest[:1] == ["--"] else rest
+
+
+def _run_process(command: str, argv: list[str]) -> int:
+    if command == "worker":
         from pdserve.worker.main import main as worker_main
 
-        return worker_main(passthrough)
+        return worker_main(argv)
     from pdserve.router.main import main as router_main
 
-    return router_main(passthrough)
+    return router_main(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `pdserve` script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if (process := process_command(argv)) is not None:
+        return _run_process(*process)
     args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":
@@ -182,12 +270,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_bench(args)
         if args.command == "up":
             return _cmd_up(args)
+        if args.command == "chaos":
+            return _cmd_chaos(args)
         if args.command == "status":
             return _cmd_status(args)
         if args.command == "trace":
             return _cmd_trace(args)
-        if args.command in ("worker", "router"):
-            return _cmd_process(args)
+        if args.command == "top":
+            return _cmd_top(args)
     except PdserveError as exc:
         print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -46,6 +46,8 @@ class UpConfig:
     block_size: int = 16
     api_key: str | None = None
     startup_timeout_s: float = 180.0
+    # Extra `pdserve router` flags (e.g. ("--routing", "round_robin") for a benchmark).
+    router_args: tuple[str, ...] = ()
     # Where the running cluster is described for `pdserve status`.
     state_file: Path = field(default_factory=lambda: default_state_file())
 
@@ -78,7 +80,8 @@ class Child:
     url: str | None = None
 
 
-def _spawn(name: str, args: list[str], workdir: Path) -> Child:
+def spawn_child(name: str, args: list[str], workdir: Path) -> Child:
+    """Start `python -m ARGS --ready-file F` in its own session, logging to WORKDIR/NAME.log."""
     ready = workdir / f"{name}.ready.json"
     log = open(workdir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the child's lifetime
     proc = subprocess.Popen(
@@ -91,7 +94,8 @@ def _spawn(name: str, args: list[str], workdir: Path) -> Child:
     return Child(name, proc, ready)
 
 
-def _wait_ready(child: Child, deadline: float) -> str:
+def wait_child_ready(child: Child, deadline: float) -> str:
+    """The child's URL once its ready file exists and /health answers 200 (before `deadline`)."""
     while time.monotonic() < deadline:
         if child.proc.poll() is not None:
             raise LaunchError(
@@ -145,18 +149,19 @@ class Cluster:
         deadline = time.monotonic() + c.startup_timeout_s
         names = [(f"prefill-{i}", "prefill") for i in range(c.num_prefill)]
         names += [(f"decode-{i}", "both") for i in range(c.num_decode)]
-        workers = [_spawn(n, self._worker_args(role, n), self.workdir) for n, role in names]
+        workers = [spawn_child(n, self._worker_args(role, n), self.workdir) for n, role in names]
         self.children.extend(workers)
         for w in workers:
-            w.url = _wait_ready(w, deadline)
+            w.url = wait_child_ready(w, deadline)
         args = ["pdserve.router.main", "--host", c.host, "--port", str(c.port), "--mode", c.mode]
         for w in workers:
             args += ["--worker", w.url or ""]
         args += ["--model", c.model] if c.model else []
         args += ["--api-key", c.api_key] if c.api_key else []
-        router = _spawn("router", args, self.workdir)
+        args += list(c.router_args)
+        router = spawn_child("router", args, self.workdir)
         self.children.append(router)
-        self.router_url = router.url = _wait_ready(router, deadline)
+        self.router_url = router.url = wait_child_ready(router, deadline)
         state = {
             "router_url": self.router_url,
             "pid": os.getpid(),

@@ -1,8 +1,12 @@
-"""`pdserve status`: the router, its mode and every worker, read live from their /health.
+"""`pdserve status`: the router, its mode and breaker, and every worker, read live from /health.
 
-The router's /health lists its workers; each worker's own /health adds pid, fingerprint,
-blocks and leases. A worker that does not answer is shown as down with the error, not
-skipped. Output is a table, or JSON with `--json`.
+The router's /health gives the mode (configured and effective), the breaker and its view of
+each worker (healthy, in-flight calls); each worker's own /health adds role, pid, fingerprint,
+blocks, requests and leases. Workers are grouped by fingerprint digest: only workers of one
+group can exchange KV (DESIGN.md invariant 3), so a worker outside the router's compatible
+group is marked. A worker that does not answer is shown as down with the error, not skipped.
+Output is a table, or JSON with `--json`. Collecting does the I/O; grouping and rendering are
+pure.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 from urllib.error import URLError
 from urllib.request import urlopen
 
@@ -39,6 +44,23 @@ class WorkerRow:
     num_waiting: int | None = None
     transfer_address: str | None = None
     error: str | None = None
+    num_active_leases: int | None = None
+    # The router's view: calls in flight to this worker, and whether it may be chosen.
+    num_inflight: int | None = None
+    routable: bool | None = None
+    # Letter of the worker's fingerprint group ("A" is the largest), None when down.
+    group: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FingerprintGroup:
+    """Workers whose KV is interchangeable (same fingerprint digest)."""
+
+    name: str
+    digest: str
+    worker_ids: tuple[str, ...]
+    # True for the group the router pairs prefill and decode workers in.
+    compatible: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,9 +73,14 @@ class ClusterStatus:
     mode: str
     model: str
     workers: tuple[WorkerRow, ...]
+    effective_mode: str | None = None
+    breaker_state: str | None = None
+    breaker_failure_rate: float | None = None
+    compatible_digest: str | None = None
+    groups: tuple[FingerprintGroup, ...] = ()
 
 
-def _get_json(url: str, timeout_s: float) -> dict[str, object]:
+def _get_json(url: str, timeout_s: float) -> dict[str, Any]:
     with urlopen(url, timeout=timeout_s) as resp:
         data = json.loads(resp.read())
     if not isinstance(data, dict):
@@ -72,6 +99,21 @@ def find_router_url(url: str | None, state_file: Path | None = None) -> str:
         raise StatusError(f"no running `pdserve up` found ({path}); pass --url") from None
 
 
+def fingerprint_groups(
+    rows: tuple[WorkerRow, ...], compatible_digest: str | None
+) -> tuple[FingerprintGroup, ...]:
+    """Workers that answered, grouped by digest: largest group first (ties: digest order)."""
+    members: dict[str, list[str]] = {}
+    for row in rows:
+        if row.up and row.fingerprint is not None:
+            members.setdefault(row.fingerprint, []).append(row.worker_id or row.url)
+    ordered = sorted(members.items(), key=lambda item: (-len(item[1]), item[0]))
+    return tuple(
+        FingerprintGroup(chr(ord("A") + i), digest, tuple(ids), digest == compatible_digest)
+        for i, (digest, ids) in enumerate(ordered)
+    )
+
+
 def collect_status(router_url: str, timeout_s: float = 3.0) -> ClusterStatus:
     """Query the router and each of its workers."""
     try:
@@ -84,10 +126,11 @@ def collect_status(router_url: str, timeout_s: float = 3.0) -> ClusterStatus:
     rows: list[WorkerRow] = []
     for entry in entries:
         url = str(entry["url"])
+        seen = {"num_inflight": entry.get("num_inflight"), "routable": entry.get("healthy")}
         try:
             h = WorkerHealth.model_validate(_get_json(f"{url}/health", timeout_s))
         except Exception as exc:  # any failure means: show it as down, with why
-            rows.append(WorkerRow(url, False, error=f"{type(exc).__name__}: {exc}"))
+            rows.append(WorkerRow(url, False, error=f"{type(exc).__name__}: {exc}", **seen))
             continue
         rows.append(
             WorkerRow(
@@ -103,9 +146,22 @@ def collect_status(router_url: str, timeout_s: float = 3.0) -> ClusterStatus:
                 h.num_running,
                 h.num_waiting,
                 h.transfer_address,
+                num_active_leases=h.num_active_leases,
+                **seen,
             )
         )
+    compatible = router.get("compatible_digest")
+    compatible = compatible if isinstance(compatible, str) else None
+    groups = fingerprint_groups(tuple(rows), compatible)
+    letter = {g.digest: g.name for g in groups}
+    rows = [
+        WorkerRow(**{**asdict(r), "group": letter.get(r.fingerprint or "")}) if r.up else r
+        for r in rows
+    ]
+    breaker = router.get("breaker")
+    breaker = breaker if isinstance(breaker, dict) else {}
     pid = router.get("pid")
+    rate = breaker.get("failure_rate")
     return ClusterStatus(
         router_url,
         pid if isinstance(pid, int) else None,
@@ -113,30 +169,56 @@ def collect_status(router_url: str, timeout_s: float = 3.0) -> ClusterStatus:
         str(router.get("mode")),
         str(router.get("model")),
         tuple(rows),
+        effective_mode=_str_or_none(router.get("effective_mode")),
+        breaker_state=_str_or_none(breaker.get("state")),
+        breaker_failure_rate=float(rate) if isinstance(rate, int | float) else None,
+        compatible_digest=compatible,
+        groups=groups,
     )
+
+
+def _str_or_none(value: object) -> str | None:
+    return value if isinstance(value, str) else None
 
 
 def render_json(status: ClusterStatus) -> str:
     return json.dumps(asdict(status), indent=2)
 
 
+def _cell(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
 def render_table(status: ClusterStatus) -> str:
-    """A fixed-width table; fingerprints shortened to 12 hex digits (groups stay visible)."""
+    """A fixed-width table; fingerprints shortened to 12 hex digits, grouped by letter."""
+    rate = status.breaker_failure_rate
     lines = [
         f"router {status.router_url}  pid {status.router_pid}  status {status.status}  "
-        f"mode {status.mode}  "
-        f"model {status.model}",
-        f"{'worker':<12}{'role':<9}{'pid':>8}  {'url':<24}{'fingerprint':<14}"
-        f"{'free/total':>12}{'pinned':>8}{'run':>5}{'wait':>5}",
+        f"mode {status.mode}  effective {_cell(status.effective_mode)}  "
+        f"breaker {_cell(status.breaker_state)}"
+        + ("" if rate is None else f" ({rate:.0%} failed)")
+        + f"  model {status.model}",
+        f"{'worker':<12}{'role':<9}{'pid':>8}  {'url':<24}{'grp':<4}{'fingerprint':<14}"
+        f"{'free/total':>12}{'pinned':>8}{'run':>5}{'wait':>5}{'lease':>6}{'infl':>5}",
     ]
     for w in status.workers:
         if not w.up:
             lines.append(f"{'?':<12}{'down':<9}{'':>8}  {w.url:<24}{w.error or ''}")
             continue
         blocks = f"{w.num_free_blocks}/{w.num_blocks}"
+        role = w.role or ""
+        if w.routable is False:
+            role += "!"  # answers us, but the router will not choose it now
         lines.append(
-            f"{w.worker_id or '':<12}{w.role or '':<9}{w.pid or 0:>8}  {w.url:<24}"
+            f"{w.worker_id or '':<12}{role:<9}{w.pid or 0:>8}  {w.url:<24}{_cell(w.group):<4}"
             f"{(w.fingerprint or '')[:12]:<14}{blocks:>12}{w.num_pinned_blocks:>8}"
-            f"{w.num_running:>5}{w.num_waiting:>5}"
+            f"{w.num_running:>5}{w.num_waiting:>5}{_cell(w.num_active_leases):>6}"
+            f"{_cell(w.num_inflight):>5}"
+        )
+    for g in status.groups:
+        mark = "compatible" if g.compatible else "not paired by the router"
+        lines.append(
+            f"group {g.name} {g.digest[:12]}: {len(g.worker_ids)} worker(s)"
+            f" {', '.join(g.worker_ids)} ({mark})"
         )
     return "\n".join(lines)

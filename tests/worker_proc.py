@@ -158,7 +158,11 @@ def worker_factory(tmp_path: Path) -> Iterator[Callable[..., WorkerHandle]]:
 
 @contextlib.contextmanager
 def router_process(
-    workdir: Path, model: Path | str, worker_urls: Sequence[str], mode: str = "disagg"
+    workdir: Path,
+    model: Path | str,
+    worker_urls: Sequence[str],
+    mode: str = "disagg",
+    extra_args: Sequence[str] = (),
 ) -> Iterator[str]:
     """`python -m pdserve.router.main` over `worker_urls`; yields its URL, then SIGTERM by PID
     (which must exit 0), SIGKILL if it does not stop."""
@@ -167,6 +171,7 @@ def router_process(
     args += ["--ready-file", str(ready), "--mode", mode]
     for url in worker_urls:
         args += ["--worker", url]
+    args += list(extra_args)
     with (workdir / "router.log").open("wb") as log:
         router = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -54,6 +54,14 @@ class EngineStats:
     num_remote_waiting: int
     prefix_cache_queries_tokens: int
     prefix_cache_hit_tokens: int
+    # Totals since start (see `Scheduler`): tokens admitted for local prefill and those the
+    # prefix cache supplied; remote-KV blocks received verified, prompt tokens not sent
+    # because they were cached here; and the bytes of one KV block (all layers).
+    num_prefill_tokens_total: int = 0
+    num_prefill_cached_tokens_total: int = 0
+    num_remote_kv_blocks_total: int = 0
+    num_remote_cached_tokens_total: int = 0
+    kv_block_bytes: int = 0
 
 
 class Engine:
@@ -266,4 +274,9 @@ class Engine:
             num_remote_waiting=len(sch.remote),
             prefix_cache_queries_tokens=bm.num_cache_queries_tokens,
             prefix_cache_hit_tokens=bm.num_cache_hit_tokens,
+            num_prefill_tokens_total=sch.num_prefill_tokens_total,
+            num_prefill_cached_tokens_total=sch.num_prefill_cached_tokens_total,
+            num_remote_kv_blocks_total=sch.num_remote_kv_blocks_total,
+            num_remote_cached_tokens_total=sch.num_remote_cached_tokens_total,
+            kv_block_bytes=self.kv_cache.block_bytes,
         )

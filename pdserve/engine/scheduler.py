@@ -65,6 +65,14 @@ class Scheduler:
         # Finished requests whose blocks are held for another party until `release`.
         self.held: dict[str, Request] = {}
         self._requests: dict[str, Request] = {}
+        # Totals since start, for metrics (what prefix reuse saved is measured, not guessed):
+        # prompt (and resumed output) tokens admitted for local compute and those found in
+        # the prefix cache instead; for remote-KV requests, blocks that arrived verified and
+        # prompt tokens found cached here (never transferred).
+        self.num_prefill_tokens_total = 0
+        self.num_prefill_cached_tokens_total = 0
+        self.num_remote_kv_blocks_total = 0
+        self.num_remote_cached_tokens_total = 0
 
     # ---- admission ---------------------------------------------------------------------------
 
@@ -105,6 +113,12 @@ class Scheduler:
         request.output_token_ids.append(first_token_id)
         request.num_computed_tokens = request.num_prompt_tokens
         request.status = RequestStatus.RUNNING
+        bm = self.block_manager
+        num_cached_blocks = request.num_cached_tokens // bm.block_size
+        self.num_remote_kv_blocks_total += (
+            bm.num_blocks_needed(request.num_prompt_tokens) - num_cached_blocks
+        )
+        self.num_remote_cached_tokens_total += request.num_cached_tokens
         self.block_manager.cache_blocks(
             request_id, request.all_token_ids, request.num_computed_tokens
         )
@@ -177,6 +191,8 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             request.num_cached_tokens = num_cached
+            self.num_prefill_tokens_total += request.num_tokens - num_cached
+            self.num_prefill_cached_tokens_total += num_cached
             self.running.append(request)
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new

@@ -2,7 +2,10 @@
 
 Reads the router's `GET /debug/requests/{id}` and prints one row per transition: the state,
 its offset from RECEIVED, how long the request stayed there, a bar on a common scale, and the
-detail (worker chosen, retry reason, error). Rendering is pure (`render_waterfall`).
+detail (worker chosen, retry reason, error). When the router merged the workers' events into
+the view (`merged`), they follow as a second table: every process's events on the router's
+clock, with each worker's clock offset and its error bound. Rendering is pure
+(`render_waterfall`, `render_merged`).
 """
 
 from __future__ import annotations
@@ -24,9 +27,13 @@ class TraceError(PdserveError):
     """The router does not know the request, or did not answer."""
 
 
-def fetch_timeline(router_url: str, request_id: str, timeout_s: float = 3.0) -> dict[str, Any]:
-    """The router's timeline JSON for `request_id`."""
+def fetch_timeline(
+    router_url: str, request_id: str, timeout_s: float = 3.0, workers: bool = False
+) -> dict[str, Any]:
+    """The router's timeline JSON for `request_id`; with `workers`, merged with the workers'
+    events (the router asks each of them)."""
     url = f"{router_url.rstrip('/')}/debug/requests/{request_id}"
+    url += "" if workers else "?workers=0"
     try:
         with urlopen(url, timeout=timeout_s) as resp:
             data = json.loads(resp.read())
@@ -74,4 +81,28 @@ def render_waterfall(view: Mapping[str, Any]) -> str:
         lines.append(
             "phases: " + "  ".join(f"{name} {sec * 1e3:.1f} ms" for name, sec in phases.items())
         )
+    merged = render_merged(view)
+    return "\n".join(lines) + ("\n\n" + merged if merged else "")
+
+
+def render_merged(view: Mapping[str, Any]) -> str:
+    """The events of every process on the router's clock ("" when the view has no worker
+    events): offset from RECEIVED, process, event, detail; then each worker's clock."""
+    merged: Sequence[Mapping[str, Any]] = view.get("merged") or []
+    if not any(e["process"] != "router" for e in merged):
+        return ""
+    start = int(view["history"][0]["monotonic_ns"])
+    width = max(len(str(e["process"])) for e in merged)
+    lines = [f"{'at ms':>9}  {'process':<{width}}  {'event':<22}  detail"]
+    for e in merged:
+        at = (int(e["router_ns"]) - start) / 1e6
+        lines.append(f"{at:>9.2f}  {e['process']:<{width}}  {e['event']:<22}  {e['detail']}")
+    for c in view.get("clocks") or []:
+        if c.get("error"):
+            lines.append(f"clock {c['worker']}: no answer ({c['error']})")
+        else:
+            lines.append(
+                f"clock {c['worker_id']}: offset {c['offset_ns'] / 1e3:+.1f} us"
+                f" ± {c['error_ns'] / 1e3:.1f} us, {c['num_events']} event(s)"
+            )
     return "\n".join(lines)

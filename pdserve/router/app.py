@@ -29,7 +29,10 @@ from pdserve.faults import FaultInjector, parse_rules
 from pdserve.membership import open_membership
 from pdserve.model.config import load_config
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.observability import otel
+from pdserve.router import debug_view
 from pdserve.router import metrics as metrics_mod
+from pdserve.router.affinity import AffinityPolicy
 from pdserve.router.breaker import CircuitBreaker
 from pdserve.router.colocated import ColocatedFlow
 from pdserve.router.config import Mode, RouterConfig
@@ -38,7 +41,13 @@ from pdserve.router.dispatcher import Dispatcher
 from pdserve.router.flow import Flow
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.openai_api import OpenAIApi, error_body
-from pdserve.router.policy import compatible_digest, fingerprint_groups, pairing_problems
+from pdserve.router.policy import (
+    compatible_digest,
+    fingerprint_groups,
+    pairing_problems,
+    rank_colocated,
+    rank_decode,
+)
 from pdserve.router.pool import WorkerPool
 from pdserve.router.worker_client import ClientTimeouts, WorkerClient
 
@@ -112,34 +121,32 @@ class ModeChange(BaseModel):
     previous: Mode | None = None
 
 
-class TransitionView(BaseModel):
-    """One transition in GET /debug/requests/{id}."""
-
-    state: str
-    monotonic_ns: int
-    wall_time_s: float
-    detail: str
-
-
-class TimelineView(BaseModel):
-    """GET /debug/requests/{id}."""
-
-    request_id: str
-    mode: str
-    state: str
-    history: list[TransitionView]
-
-
 class _Routes:
     """Handlers of the router's own routes."""
 
     def __init__(
-        self, config: RouterConfig, pool: WorkerPool, dispatcher: Dispatcher, metrics: RouterMetrics
+        self,
+        config: RouterConfig,
+        pool: WorkerPool,
+        dispatcher: Dispatcher,
+        metrics: RouterMetrics,
+        client: WorkerClient | None = None,
     ) -> None:
         self._config = config
         self._pool = pool
         self._dispatcher = dispatcher
         self._metrics = metrics
+        # Asks workers for their timeline events (None: the router's transitions only).
+        self._client = client
+
+    async def ready(self, request: web.Request) -> web.Response:
+        """GET /ready: 200 when a request of the effective mode has a worker to run on, else
+        503 (a load balancer's readiness probe; /health always answers, with the details)."""
+        mode = self._dispatcher.effective_mode
+        views = self._pool.snapshot()
+        ranked = rank_colocated(views) if mode == "colocated" else rank_decode(views)
+        status = 200 if ranked else 503
+        return web.json_response({"ready": bool(ranked), "mode": mode}, status=status)
 
     async def health(self, request: web.Request) -> web.Response:
         views = self._pool.snapshot()
@@ -225,20 +232,9 @@ class _Routes:
         timeline = self._dispatcher.timeline(request.match_info["request_id"])
         if timeline is None:
             raise web.HTTPNotFound(text="unknown or evicted request id")
-        body = TimelineView(
-            request_id=timeline.request_id,
-            mode=timeline.mode,
-            state=timeline.state.name,
-            history=[
-                TransitionView(
-                    state=t.state.name,
-                    monotonic_ns=t.monotonic_ns,
-                    wall_time_s=t.wall_time_s,
-                    detail=t.detail,
-                )
-                for t in timeline.history
-            ],
-        )
+        # ?workers=0: the router's own transitions only, no calls to the workers.
+        client = None if request.query.get("workers") == "0" else self._client
+        body = await debug_view.timeline_view(timeline, self._pool, client)
         return web.json_response(text=body.model_dump_json())
 
 
@@ -289,6 +285,8 @@ async def create_app(config: RouterConfig) -> web.Application:
     session = aiohttp.ClientSession()
     client = WorkerClient(session, ClientTimeouts())
     pool = WorkerPool((), client, config.health_poll_interval_s, membership=membership)
+    # One placement policy for both flows: a conversation keeps its worker across modes.
+    affinity = AffinityPolicy(config.affinity)
     flows: dict[Mode, Flow] = {
         "disagg": DisaggFlow(
             pool,
@@ -300,12 +298,20 @@ async def create_app(config: RouterConfig) -> web.Application:
             faults=FaultInjector(parse_rules(config.faults), config.fault_seed)
             if config.faults
             else None,
+            affinity=affinity,
         ),
-        "colocated": ColocatedFlow(pool, client),
+        "colocated": ColocatedFlow(pool, client, affinity),
     }
     breaker = CircuitBreaker(config.breaker, MonotonicClock())
-    dispatcher = Dispatcher(config.mode, flows, breaker=breaker)
-    metrics = RouterMetrics(breaker=breaker)
+    metrics = RouterMetrics(breaker=breaker, workers=lambda: metrics_mod.worker_gauges(pool))
+    dispatcher = Dispatcher(
+        config.mode,
+        flows,
+        breaker=breaker,
+        metrics=metrics,
+        max_timelines=config.timeline_ring,
+        span_hook=otel.request_span_hook(),  # None unless OpenTelemetry is installed
+    )
 
     def record_kv_outcome(ok: bool, reason: str) -> None:
         metrics.kv_handoffs["ok" if ok else "failed"] += 1
@@ -315,8 +321,9 @@ async def create_app(config: RouterConfig) -> web.Application:
     api = OpenAIApi(config, tokenizer, max_model_len, dispatcher, metrics)
     metrics.handoff_spikes = api.spikes.counts
     api.add_routes(app)
-    routes = _Routes(config, pool, dispatcher, metrics)
+    routes = _Routes(config, pool, dispatcher, metrics, client=client)
     app.router.add_get("/health", routes.health)
+    app.router.add_get("/ready", routes.ready)
     app.router.add_get("/metrics", routes.metrics)
     app.router.add_post("/admin/mode", routes.set_mode)
     app.router.add_get("/debug/requests/{request_id}", routes.timeline)

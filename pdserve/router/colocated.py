@@ -6,7 +6,8 @@
 Until W sends its first line nothing reached the client, so a retryable failure there (W full:
 503, W unreachable) moves to RETRYING and the next worker is tried; none left → NoCapacity.
 After the first line a failure ends the request. Closing the stream early releases the request
-on W.
+on W. W is chosen by the affinity policy among `both` workers (cached prefix, session, load),
+and a finished request is recorded there, so conversations stay on their worker.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import contextlib
 from collections.abc import AsyncGenerator
 
 from pdserve.errors import NoCapacity, RouterError, WorkerCallError, WorkerUnreachable
+from pdserve.router.affinity import AffinityPolicy, RouteQuery
+from pdserve.router.config import AffinityConfig
 from pdserve.router.flow import FlowRequest, TokenChunk
-from pdserve.router.policy import rank_colocated
 from pdserve.router.pool import WorkerPool
 from pdserve.router.state import RequestState as S
 from pdserve.router.worker_client import WorkerClient
@@ -26,16 +28,28 @@ from pdserve.worker.protocol import ErrorBody, GenerateRequest, TokenEvent
 class ColocatedFlow:
     """Runs each request entirely on one worker of role `both`."""
 
-    def __init__(self, pool: WorkerPool, client: WorkerClient) -> None:
+    def __init__(
+        self, pool: WorkerPool, client: WorkerClient, affinity: AffinityPolicy | None = None
+    ) -> None:
         self._pool = pool
         self._client = client
+        # Placement (shared with the disaggregated flow, so a conversation keeps its worker
+        # across a mode switch); without one, plain least-load.
+        self._affinity = affinity or AffinityPolicy(AffinityConfig(routing="load"))
 
     async def stream(self, request: FlowRequest) -> AsyncGenerator[TokenChunk, None]:
         """The request's tokens as the worker streams them."""
         timeline = request.timeline
         tried: set[str] = set()
+        query = RouteQuery(
+            request.prompt_token_ids,
+            request.sampling.max_tokens,
+            request.session_id,
+            self._affinity.next_ticket(),
+        )
+        output: list[int] = []
         while True:
-            ranked = rank_colocated(self._pool.snapshot(), exclude=tried)
+            ranked = self._affinity.rank_colocated(self._pool.snapshot(), query, exclude=tried)
             if not ranked:
                 exc = NoCapacity(
                     f"no colocated (role both) worker accepted {request.request_id}"
@@ -70,6 +84,7 @@ class ColocatedFlow:
                         timeline.advance(S.DECODING)
                         event: TokenEvent | None = first
                         while event is not None:
+                            output.extend(event.token_ids)
                             if event.error is not None or event.finish_reason == "error":
                                 raise WorkerCallError(
                                     url,
@@ -91,3 +106,12 @@ class ColocatedFlow:
                     if not settled:
                         await self._client.release_quietly(url, request.request_id)
                         timeline.fail("closed before the worker finished")
+                    if timeline.state is S.FINISHED:
+                        self._affinity.record(
+                            self._pool.snapshot(),
+                            url,
+                            None,
+                            request.prompt_token_ids,
+                            output,
+                            request.session_id,
+                        )

@@ -92,6 +92,49 @@ class RecoveryConfig:
         return self.transfer_attempts if "retry_transfer" in self.steps else 1
 
 
+Routing = Literal["affinity", "load", "round_robin"]
+ROUTINGS: tuple[Routing, ...] = ("affinity", "load", "round_robin")
+
+
+@dataclass(frozen=True, slots=True)
+class AffinityConfig:
+    """Where requests go: prefix and session affinity weighed against load.
+
+    A candidate's cost is `prefix_weight * blocks it must compute + load_weight * requests on
+    it`; the cheapest wins (see `pdserve.router.affinity`).
+    """
+
+    # "affinity": cost above plus sticky sessions; "load": least loaded only (prefix ignored);
+    # "round_robin": rotate over candidates (a baseline for benchmarks).
+    routing: Routing = "affinity"
+    # Cost of one prompt block the worker does not hold in its prefix cache.
+    prefix_weight: float = 1.0
+    # Cost of one request already on the worker (running + waiting + router in-flight): by
+    # default one more concurrent request weighs as much as 4 uncached blocks.
+    load_weight: float = 4.0
+    # A conversation whose decode worker already holds all but at most this many prompt
+    # tokens is continued there with a local prefill of the suffix: no prefill worker, no KV
+    # transfer (the idea of vLLM's kv_recompute_threshold). 0 turns it off.
+    local_prefill_threshold: int = 256
+    # Sticky sessions remembered (least recently used forgotten first).
+    max_sessions: int = 10_000
+
+    def __post_init__(self) -> None:
+        if self.routing not in ROUTINGS:
+            raise ConfigError(f"routing: {self.routing!r} is not one of {', '.join(ROUTINGS)}")
+        if self.prefix_weight < 0 or self.load_weight < 0:
+            raise ConfigError(
+                f"affinity weights must be >= 0, got prefix {self.prefix_weight}"
+                f" load {self.load_weight}"
+            )
+        if self.local_prefill_threshold < 0:
+            raise ConfigError(
+                f"local-prefill-threshold: must be >= 0, got {self.local_prefill_threshold}"
+            )
+        if self.max_sessions < 1:
+            raise ConfigError(f"max-sessions: must be >= 1, got {self.max_sessions}")
+
+
 def parse_recovery(value: str) -> tuple[str, ...]:
     """ "retry_transfer,reprefill" as a tuple of steps ("" or "none": no recovery)."""
     if value.strip() in ("", "none"):
@@ -117,10 +160,13 @@ class RouterConfig:
     # Whole request, from received to the last token.
     request_timeout_s: float = 600.0
     health_poll_interval_s: float = 1.0
+    # Recent requests whose timelines GET /debug/requests/{id} keeps (oldest evicted first).
+    timeline_ring: int = 1000
     # How long a decode reservation (and the prefill KV) waits for its transfer.
     lease_ttl_s: float = 30.0
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    affinity: AffinityConfig = field(default_factory=AffinityConfig)
     # Where workers register ("etcd://HOST:PORT[/PREFIX]"); None: the static `workers` list.
     discovery: str | None = None
     # Fault-injection rules at the router's sites (`pdserve.faults` syntax), tests only.
@@ -143,6 +189,8 @@ class RouterConfig:
             raise ConfigError(f"port: must be in 0..65535, got {self.port}")
         if self.request_timeout_s <= 0:
             raise ConfigError(f"request-timeout-s: must be > 0, got {self.request_timeout_s}")
+        if self.timeline_ring < 1:
+            raise ConfigError(f"timeline-ring: must be >= 1, got {self.timeline_ring}")
         if self.health_poll_interval_s <= 0 or self.lease_ttl_s <= 0:
             raise ConfigError("health_poll_interval_s and lease_ttl_s must be > 0")
 

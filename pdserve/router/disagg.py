@@ -28,6 +28,11 @@ most `max_migrations` workers are tried.
 
 Whatever ends the stream early (an error, the client leaving, a stop string) the reservation
 on D and any KV held on P are released before the generator finishes.
+
+Placement (`AffinityPolicy`): D and P are ranked by cached prefix, session and load. A turn
+whose D already holds all but a short suffix of the prompt skips P entirely: D runs it with
+`/generate`, prefilling only the suffix (no reservation, no transfer; if D fails, the same
+migration path takes over). A finished request tells the policy what D and P now cache.
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ from dataclasses import dataclass
 
 from pdserve.errors import NoCapacity, RouterError, WorkerCallError, WorkerUnreachable
 from pdserve.faults import FaultClosed, FaultInjector, FaultSite, perform
-from pdserve.router.config import RecoveryConfig
+from pdserve.router.affinity import AffinityPolicy, RouteQuery
+from pdserve.router.config import AffinityConfig, RecoveryConfig
 from pdserve.router.flow import FlowRequest, TokenChunk
 from pdserve.router.policy import WorkerView, pick_prefill, rank_decode
 from pdserve.router.pool import WorkerPool
@@ -70,6 +76,15 @@ class _Leg:
     prefill_url: str
     worker_request_id: str
     reservation: Reservation
+
+
+@dataclass(slots=True)
+class _Placement:
+    """Where a request ran, for the affinity policy once it finished."""
+
+    query: RouteQuery
+    decode_url: str | None = None
+    prefill_url: str | None = None
 
 
 class _PrefillSideFailed(Exception):
@@ -106,6 +121,7 @@ class DisaggFlow:
         lease_ttl_s: float = 30.0,
         on_kv_outcome: KVOutcome | None = None,
         faults: FaultInjector | None = None,
+        affinity: AffinityPolicy | None = None,
     ) -> None:
         self._pool = pool
         self._client = client
@@ -117,6 +133,8 @@ class DisaggFlow:
         self._num_queued = 0
         # Tests' fault injection at the router's sites; None: every site is a no-op.
         self._faults = faults
+        # Placement; without one, plain least-load (what the flow did before affinity).
+        self._affinity = affinity or AffinityPolicy(AffinityConfig(routing="load"))
 
     @property
     def num_queued(self) -> int:
@@ -131,17 +149,33 @@ class DisaggFlow:
         # Every token the client has been sent, in order: the resume point of any recovery.
         sent: list[int] = []
         leg: _Leg | None = None
+        query = RouteQuery(
+            request.prompt_token_ids,
+            request.sampling.max_tokens,
+            request.session_id,
+            self._affinity.next_ticket(),
+        )
+        placed = _Placement(query)
         try:
+            local = self._local_prefill_worker(query)
+            if local is not None:
+                label = f"affinity: {local} holds the prefix, local prefill of the suffix"
+                async for chunk in self._resume(request, sent, local, label, placed):
+                    yield chunk
+                return
             try:
-                leg, first, used = await self._prefill_with_retries(request, 1 + reprefills, ())
+                leg, first, used = await self._prefill_with_retries(
+                    request, placed, 1 + reprefills, ()
+                )
             except _PrefillSideFailed as failed:
                 if "local_prefill" not in steps:
                     raise failed.cause from None
                 timeline.advance(S.RETRYING, f"local prefill: {failed.cause}")
-                async for chunk in self._resume(request, sent, None, "local prefill"):
+                async for chunk in self._resume(request, sent, None, "local prefill", placed):
                     yield chunk
                 return
             reprefills -= used - 1
+            placed.decode_url, placed.prefill_url = leg.decode_url, leg.prefill_url
             timeline.advance(S.PREFILLED, f"first_token={first.first_token_id}")
             finish = self._first_token_finishes(request, first.first_token_id)
             if finish is not None:
@@ -172,8 +206,10 @@ class DisaggFlow:
                         timeline.advance(S.RETRYING, f"handoff failed, re-prefill: {cause}")
                         try:
                             leg, _, _ = await self._prefill_with_retries(
-                                request, 1, (current.prefill_url,)
+                                request, placed, 1, (current.prefill_url,)
                             )
+                            placed.decode_url = leg.decode_url
+                            placed.prefill_url = leg.prefill_url
                             timeline.advance(S.PREFILLED, "re-prefilled")
                             continue
                         except _PrefillSideFailed as again:
@@ -195,7 +231,7 @@ class DisaggFlow:
                     timeline.advance(S.RETRYING, f"migrate after {len(sent)} tokens: {exc}")
                     label, prefer = "migration", None
                 break
-            async for chunk in self._resume(request, sent, prefer, label):
+            async for chunk in self._resume(request, sent, prefer, label, placed):
                 yield chunk
         except RouterError as exc:
             timeline.fail(str(exc))
@@ -205,6 +241,15 @@ class DisaggFlow:
                 # Closed early or failed: D still holds the reservation (or the sequence), P
                 # may hold KV awaiting transfer.
                 await self._release(leg)
+            if timeline.state is S.FINISHED and placed.decode_url is not None:
+                self._affinity.record(
+                    self._pool.snapshot(),
+                    placed.decode_url,
+                    placed.prefill_url,
+                    request.prompt_token_ids,
+                    sent,
+                    request.session_id,
+                )
             timeline.fail("closed before the worker finished")
 
     async def _fault(self, site: FaultSite, url: str) -> None:
@@ -215,6 +260,14 @@ class DisaggFlow:
             await perform(rule)
         except FaultClosed as exc:
             raise WorkerUnreachable(url, str(exc)) from exc
+
+    def _local_prefill_worker(self, query: RouteQuery) -> str | None:
+        """The best decode worker if it should prefill the uncached suffix itself."""
+        views = self._pool.snapshot()
+        for decode in self._affinity.rank_decode(views, query)[:1]:
+            if self._affinity.local_prefill(decode, query):
+                return decode.url
+        return None
 
     async def _release(self, leg: _Leg) -> None:
         await self._client.release_quietly(leg.decode_url, leg.worker_request_id)
@@ -264,7 +317,12 @@ class DisaggFlow:
             raise _HandoffFailed(exc) from exc
 
     async def _resume(
-        self, request: FlowRequest, sent: list[int], prefer: str | None, label: str
+        self,
+        request: FlowRequest,
+        sent: list[int],
+        prefer: str | None,
+        label: str,
+        placed: _Placement,
     ) -> AsyncGenerator[TokenChunk, None]:
         """Run the request on a decode worker from after `sent`, prompt recomputed there."""
         timeline = request.timeline
@@ -281,6 +339,7 @@ class DisaggFlow:
                     f" (failed {sorted(failed)})"
                 )
             url = candidates[0]
+            placed.decode_url = url
             rid = f"{request.request_id}.m{n}"
             timeline.advance(S.ROUTED, f"{label} to {url} after {len(sent)} tokens")
             body = GenerateRequest(
@@ -327,7 +386,7 @@ class DisaggFlow:
         return "length" if sampling.max_tokens <= 1 else None
 
     async def _prefill_with_retries(
-        self, request: FlowRequest, attempts: int, skip: Collection[str]
+        self, request: FlowRequest, placed: _Placement, attempts: int, skip: Collection[str]
     ) -> tuple[_Leg, PrefillResult, int]:
         """Reserve and prefill, moving to another prefill worker on failure.
 
@@ -341,7 +400,7 @@ class DisaggFlow:
             n = sum(1 for t in timeline.history if t.state is S.PREFILLING)
             rid = request.request_id if n == 0 else f"{request.request_id}.r{n}"
             try:
-                leg = await self._route_and_reserve(request, rid, skip_prefill)
+                leg = await self._route_and_reserve(request, placed.query, rid, skip_prefill)
             except NoCapacity as exc:
                 if _only_prefill_missing(self._pool.snapshot(), skip_prefill):
                     raise _PrefillSideFailed(exc, skip_prefill) from exc
@@ -372,8 +431,19 @@ class DisaggFlow:
                 timeline.advance(S.RETRYING, f"prefill failed: {exc}")
         raise AssertionError("unreachable: the last attempt raises")
 
+    def _pick_pair(
+        self, query: RouteQuery, tried: Collection[str], skip_prefill: Collection[str]
+    ) -> tuple[WorkerView, WorkerView] | None:
+        """The best decode worker (not yet tried) that has a prefill partner, and that one."""
+        views = self._pool.snapshot()
+        for decode in self._affinity.rank_decode(views, query, exclude=tried):
+            prefill = self._affinity.pick_prefill(views, decode, query, exclude=skip_prefill)
+            if prefill is not None:
+                return decode, prefill
+        return None
+
     async def _route_and_reserve(
-        self, request: FlowRequest, rid: str, skip_prefill: Collection[str]
+        self, request: FlowRequest, query: RouteQuery, rid: str, skip_prefill: Collection[str]
     ) -> _Leg:
         """Reserve on the best decode worker that has a prefill partner; next one on refusal.
 
@@ -388,20 +458,23 @@ class DisaggFlow:
             while True:
                 tried: set[str] = set()
                 refused_for_capacity = False
-                while (pair := _pick_pair(self._pool.snapshot(), tried, skip_prefill)) is not None:
+                while (pair := self._pick_pair(query, tried, skip_prefill)) is not None:
                     decode, prefill = pair
                     timeline.advance(S.ROUTED, f"decode={decode.url} prefill={prefill.url}")
                     try:
                         await self._fault(FaultSite.ROUTER_BEFORE_RESERVE, decode.url)
-                        reservation = await self._client.reserve(
-                            decode.url,
-                            ReserveRequest(
-                                request_id=rid,
-                                prompt_token_ids=request.prompt_token_ids,
-                                sampling=request.sampling,
-                                lease_ttl_s=self._lease_ttl_s,
-                            ),
-                        )
+                        # Counted on both workers from now: a burst arriving together sees
+                        # each other's choices, not the same last poll.
+                        with self._pool.inflight(decode.url), self._pool.inflight(prefill.url):
+                            reservation = await self._client.reserve(
+                                decode.url,
+                                ReserveRequest(
+                                    request_id=rid,
+                                    prompt_token_ids=request.prompt_token_ids,
+                                    sampling=request.sampling,
+                                    lease_ttl_s=self._lease_ttl_s,
+                                ),
+                            )
                     except RouterError as exc:
                         if not _recoverable(exc):
                             raise
@@ -440,16 +513,6 @@ def _only_prefill_missing(views: Sequence[WorkerView], skip_prefill: Collection[
     """True if decode workers are up but none has a usable prefill partner (dead or skipped)."""
     decodes = rank_decode(views)
     return bool(decodes) and all(pick_prefill(views, d, skip_prefill) is None for d in decodes)
-
-
-def _pick_pair(
-    views: Sequence[WorkerView], tried: Collection[str], skip_prefill: Collection[str]
-) -> tuple[WorkerView, WorkerView] | None:
-    for decode in rank_decode(views, exclude=tried):
-        prefill = pick_prefill(views, decode, exclude=skip_prefill)
-        if prefill is not None:
-            return decode, prefill
-    return None
 
 
 def _stream_error(url: str, event: TokenEvent) -> WorkerCallError:

@@ -5,18 +5,28 @@ requests that begin afterwards, so in-flight requests finish in the mode they st
 The configured mode is the operator's; the circuit breaker may send a request colocated
 instead while the KV path is failing (its timeline's first transition says so). The
 timelines of the last `max_timelines` requests are kept for /debug/requests/{id}.
+
+Observation: every transition is written as a JSON log line (`pdserve.timeline`); the flow
+handed out is wrapped so that each token chunk is stamped on the timeline as it arrives
+(TTFT, inter-token latency) and, once the flow has ended (finished, failed or closed), the
+whole timeline is given to the metrics. Ending is the right moment, not the FINISHED
+transition: a flow records FINISHED just before it yields the last tokens.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 
+from pdserve.observability.request_stats import request_stats
+from pdserve.observability.timeline_log import TimelineEvent, emit
 from pdserve.router.breaker import BreakerState, CircuitBreaker
 from pdserve.router.config import Mode
-from pdserve.router.flow import Flow
+from pdserve.router.flow import Flow, FlowRequest, TokenChunk
+from pdserve.router.metrics import RouterMetrics
 from pdserve.router.state import RequestState, RequestTimeline, Transition
 
 log = logging.getLogger(__name__)
@@ -31,9 +41,15 @@ class Dispatcher:
         flows: Mapping[Mode, Flow],
         max_timelines: int = 1000,
         breaker: CircuitBreaker | None = None,
+        metrics: RouterMetrics | None = None,
+        span_hook: Callable[[RequestTimeline], None] | None = None,
     ) -> None:
         self._mode = mode
         self.breaker = breaker
+        # None: no token stamps and no per-request metrics (JSON log lines still go out).
+        self.metrics = metrics
+        # Told of every request whose flow ended (OpenTelemetry spans); None: nothing.
+        self.span_hook = span_hook
         self._flows = dict(flows)
         self._timelines: OrderedDict[str, RequestTimeline] = OrderedDict()
         self._max_timelines = max_timelines
@@ -58,11 +74,15 @@ class Dispatcher:
             history.append(
                 Transition(RequestState.RECEIVED, time.monotonic_ns(), time.time(), detail)
             )
-        timeline = RequestTimeline(request_id, mode, history)
+        timeline = RequestTimeline(request_id, mode, history, on_transition=_log_transition)
+        _log_transition(timeline, timeline.history[0])
         self._timelines[request_id] = timeline
         while len(self._timelines) > self._max_timelines:
             self._timelines.popitem(last=False)
-        return self._flows[mode], timeline
+        flow = self._flows[mode]
+        if self.metrics is None and self.span_hook is None:
+            return flow, timeline
+        return _ObservedFlow(flow, self.metrics, self.span_hook), timeline
 
     @property
     def effective_mode(self) -> Mode:
@@ -84,3 +104,49 @@ class Dispatcher:
     def timeline(self, request_id: str) -> RequestTimeline | None:
         """A recent request's timeline, None if unknown or evicted."""
         return self._timelines.get(request_id)
+
+
+def _log_transition(timeline: RequestTimeline, transition: Transition) -> None:
+    emit(
+        TimelineEvent(
+            timeline.request_id,
+            "router",
+            transition.state.name,
+            transition.monotonic_ns,
+            transition.wall_time_s,
+            transition.detail,
+        )
+    )
+
+
+class _ObservedFlow:
+    """A flow whose chunks are stamped on the timeline and whose end feeds the metrics."""
+
+    def __init__(
+        self,
+        flow: Flow,
+        metrics: RouterMetrics | None,
+        span_hook: Callable[[RequestTimeline], None] | None,
+    ) -> None:
+        self._flow = flow
+        self._metrics = metrics
+        self._span_hook = span_hook
+
+    async def stream(self, request: FlowRequest) -> AsyncGenerator[TokenChunk, None]:
+        timeline = request.timeline
+        try:
+            async with contextlib.aclosing(self._flow.stream(request)) as chunks:
+                async for chunk in chunks:
+                    n = len(chunk.token_ids)
+                    gap = timeline.record_tokens(n, time.monotonic_ns())
+                    if gap is not None and self._metrics is not None:
+                        self._metrics.observe_itl(gap, n)
+                    yield chunk
+        finally:
+            if self._metrics is not None:
+                self._metrics.observe_request(request_stats(timeline))
+            if self._span_hook is not None:
+                try:
+                    self._span_hook(timeline)
+                except Exception:  # an exporter's bug must not fail a served request
+                    log.exception("span hook failed for request %s", timeline.request_id)

@@ -27,6 +27,9 @@ class FlowRequest:
     sampling: SamplingModel
     # Mutable: the flow advances it.
     timeline: RequestTimeline
+    # The conversation it continues (OpenAI `user` or `x-session-id`): affinity routing
+    # prefers the worker that served the session's last turn.
+    session_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

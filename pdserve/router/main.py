@@ -25,6 +25,8 @@ from pdserve.router.app import create_app
 from pdserve.router.config import (
     MODES,
     RECOVERY_STEPS,
+    ROUTINGS,
+    AffinityConfig,
     BreakerConfig,
     RecoveryConfig,
     RouterConfig,
@@ -34,6 +36,7 @@ from pdserve.router.config import (
 
 _BREAKER = BreakerConfig()
 _RECOVERY = RecoveryConfig()
+_AFFINITY = AffinityConfig()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,12 +67,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--lease-ttl-s", type=float, default=30.0, help="decode reservation / prefill KV lease"
     )
+    p.add_argument(
+        "--timeline-ring",
+        type=int,
+        default=1000,
+        help="recent requests whose timelines /debug/requests/{id} keeps",
+    )
     b = p.add_argument_group("circuit breaker (KV path failures -> colocated)")
     b.add_argument("--no-breaker", action="store_true", help="never switch mode automatically")
     b.add_argument("--breaker-window", type=int, default=_BREAKER.window)
     b.add_argument("--breaker-min-samples", type=int, default=_BREAKER.min_samples)
     b.add_argument("--breaker-failure-rate", type=float, default=_BREAKER.failure_rate)
     b.add_argument("--breaker-cooldown-s", type=float, default=_BREAKER.cooldown_s)
+    a = p.add_argument_group("placement (prefix and session affinity against load)")
+    a.add_argument("--routing", choices=ROUTINGS, default=_AFFINITY.routing)
+    a.add_argument(
+        "--prefix-weight",
+        type=float,
+        default=_AFFINITY.prefix_weight,
+        help="cost of one prompt block the worker does not hold",
+    )
+    a.add_argument(
+        "--load-weight",
+        type=float,
+        default=_AFFINITY.load_weight,
+        help="cost of one request already on the worker",
+    )
+    a.add_argument(
+        "--local-prefill-threshold",
+        type=int,
+        default=_AFFINITY.local_prefill_threshold,
+        help="uncached prompt tokens a decode worker holding the rest prefills itself (0: never)",
+    )
+    a.add_argument("--max-sessions", type=int, default=_AFFINITY.max_sessions)
     r = p.add_argument_group("recovery after a failed handoff")
     r.add_argument(
         "--recovery",
@@ -106,12 +136,20 @@ def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
         ready_file=args.ready_file,
         request_timeout_s=args.request_timeout_s,
         lease_ttl_s=args.lease_ttl_s,
+        timeline_ring=args.timeline_ring,
         breaker=BreakerConfig(
             enabled=not args.no_breaker,
             window=args.breaker_window,
             min_samples=args.breaker_min_samples,
             failure_rate=args.breaker_failure_rate,
             cooldown_s=args.breaker_cooldown_s,
+        ),
+        affinity=AffinityConfig(
+            routing=args.routing,
+            prefix_weight=args.prefix_weight,
+            load_weight=args.load_weight,
+            local_prefill_threshold=args.local_prefill_threshold,
+            max_sessions=args.max_sessions,
         ),
         recovery=RecoveryConfig(
             steps=parse_recovery(args.recovery),

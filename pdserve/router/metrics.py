@@ -1,52 +1,57 @@
-"""The router's Prometheus metrics: requests, TTFT, KV handoffs, the breaker, handoff spikes.
+"""The router's Prometheus metrics: requests, latencies, KV handoffs, failure handling, the
+breaker, and its view of each worker.
 
-Kept in-process with no client library: a counter map and one fixed-bucket histogram, rendered
-in the Prometheus text exposition format (version 0.0.4). Not thread-safe; the router runs on
-one event loop.
+Every family is declared in `pdserve.observability.metric_names`; this module only keeps the
+values. Per-request latencies and failure-handling counts are taken from the request's
+timeline once its flow has ended (`observe_request`, fed by the dispatcher), the inter-token
+latency as tokens arrive (`observe_itl`), so /metrics and /debug/requests/{id} agree exactly
+for the same requests. Worker gauges are read from the pool at scrape time. Not thread-safe;
+the router runs on one event loop.
 """
 
 from __future__ import annotations
 
-import bisect
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from pdserve.observability import metric_names as m
+from pdserve.observability.exposition import (
+    CONTENT_TYPE,
+    SECONDS_BUCKETS,
+    Histogram,
+    render_family,
+    render_histograms,
+)
+from pdserve.observability.request_stats import RequestStats
 from pdserve.router.breaker import BreakerState, CircuitBreaker
+from pdserve.router.pool import WorkerPool
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-# Seconds; upper bounds of the TTFT histogram buckets (+Inf is implicit).
-TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+__all__ = ["CONTENT_TYPE", "Histogram", "RouterMetrics", "WorkerGauges"]
+
+# Kept for callers of the previous module: the TTFT buckets are the shared duration buckets.
+TTFT_BUCKETS_S = SECONDS_BUCKETS
 # Gauge values of pdserve_router_breaker_state.
 BREAKER_STATE_VALUES = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
 
 
-@dataclass(slots=True)
-class Histogram:
-    """Cumulative-bucket histogram (Prometheus semantics)."""
+def _seconds() -> Histogram:
+    return Histogram(SECONDS_BUCKETS)
 
-    bounds: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)
-    total: float = 0.0
-    num: int = 0
 
-    def __post_init__(self) -> None:
-        self.counts = [0] * (len(self.bounds) + 1)
+@dataclass(frozen=True, slots=True)
+class WorkerGauges:
+    """One worker as the router last saw it (None: never answered a health poll)."""
 
-    def observe(self, value: float) -> None:
-        """Record one value."""
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.total += value
-        self.num += 1
-
-    def render(self, name: str) -> list[str]:
-        """The `_bucket`, `_sum` and `_count` lines."""
-        lines, running = [], 0
-        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
-            running += count
-            le = "+Inf" if bound == float("inf") else repr(bound)
-            lines.append(f'{name}_bucket{{le="{le}"}} {running}')
-        lines += [f"{name}_sum {self.total!r}", f"{name}_count {self.num}"]
-        return lines
+    worker: str  # its base URL: unique, unlike a configured worker id
+    role: str
+    up: bool
+    num_free_blocks: int | None
+    num_pinned_blocks: int | None
+    num_running: int | None
+    num_waiting: int | None
+    num_inflight: int
+    clock_offset_s: float | None
 
 
 @dataclass(slots=True)
@@ -54,52 +59,130 @@ class RouterMetrics:
     """Everything /metrics exposes."""
 
     requests: Counter[tuple[str, str]] = field(default_factory=Counter)
-    ttft_s: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS_S))
+    ttft_s: Histogram = field(default_factory=_seconds)
+    tpot_s: Histogram = field(default_factory=_seconds)
+    itl_s: Histogram = field(default_factory=_seconds)
+    e2e_s: Histogram = field(default_factory=_seconds)
+    queue_s: Histogram = field(default_factory=_seconds)
+    prefill_s: Histogram = field(default_factory=_seconds)
+    transfer_s: Histogram = field(default_factory=_seconds)
+    handoff_gap_s: Histogram = field(default_factory=_seconds)
+    retries: Counter[str] = field(default_factory=Counter)
+    fallbacks: Counter[str] = field(default_factory=Counter)
+    num_migrations: int = 0
     # Handoff outcomes ("ok" / "failed"), counted as the disaggregated flow reports them.
     kv_handoffs: Counter[str] = field(default_factory=Counter)
     breaker: CircuitBreaker | None = None
     # Spikes per phase, owned by the spike detector (shared, not copied).
     handoff_spikes: Counter[str] = field(default_factory=Counter)
+    # The pool's workers, read at scrape time (None: no worker gauges).
+    workers: Callable[[], Sequence[WorkerGauges]] | None = None
 
     def count_request(self, mode: str, status: str) -> None:
         """One finished request: status is "ok", "client_error", "no_capacity" or "error"."""
         self.requests[(mode, status)] += 1
 
+    def observe_itl(self, seconds_per_token: float, num_tokens: int) -> None:
+        """`num_tokens` tokens arrived together, each `seconds_per_token` after the last."""
+        for _ in range(num_tokens):
+            self.itl_s.observe(seconds_per_token)
+
+    def observe_request(self, stats: RequestStats) -> None:
+        """A request whose flow ended: its latencies and failure-handling steps."""
+        for hist, value in (
+            (self.ttft_s, stats.ttft_s),
+            (self.e2e_s, stats.e2e_s),
+            (self.tpot_s, stats.tpot_s),
+            (self.queue_s, stats.queue_s),
+            (self.prefill_s, stats.phases.get("prefill")),
+            (self.transfer_s, stats.phases.get("transfer")),
+            (self.handoff_gap_s, stats.phases.get("handoff")),
+        ):
+            if value is not None:
+                hist.observe(value)
+        self.retries.update(stats.retries)
+        self.fallbacks.update(stats.fallbacks)
+        self.num_migrations += stats.num_migrations
+
     def render(self) -> str:
         """Prometheus text."""
-        lines = [
-            "# HELP pdserve_router_requests_total Requests finished, by mode and status.",
-            "# TYPE pdserve_router_requests_total counter",
-        ]
-        for (mode, status), n in sorted(self.requests.items()):
-            lines.append(f'pdserve_router_requests_total{{mode="{mode}",status="{status}"}} {n}')
-        lines += [
-            "# HELP pdserve_router_ttft_seconds Time from request received to first token.",
-            "# TYPE pdserve_router_ttft_seconds histogram",
-            *self.ttft_s.render("pdserve_router_ttft_seconds"),
-            "# HELP pdserve_router_kv_handoffs_total KV handoffs, by outcome.",
-            "# TYPE pdserve_router_kv_handoffs_total counter",
-            *(
-                f'pdserve_router_kv_handoffs_total{{outcome="{k}"}} {n}'
-                for k, n in sorted(self.kv_handoffs.items())
+        lines = render_family(
+            m.ROUTER_REQUESTS,
+            (
+                ({"mode": mode, "status": status}, n)
+                for (mode, status), n in sorted(self.requests.items())
             ),
-            "# HELP pdserve_router_handoff_spikes_total Handoff phases far over their baseline.",
-            "# TYPE pdserve_router_handoff_spikes_total counter",
-            *(
-                f'pdserve_router_handoff_spikes_total{{phase="{k}"}} {n}'
-                for k, n in sorted(self.handoff_spikes.items())
-            ),
-        ]
+        )
+        for spec, hist in (
+            (m.ROUTER_TTFT, self.ttft_s),
+            (m.ROUTER_TPOT, self.tpot_s),
+            (m.ROUTER_ITL, self.itl_s),
+            (m.ROUTER_E2E, self.e2e_s),
+            (m.ROUTER_QUEUE, self.queue_s),
+            (m.ROUTER_PREFILL, self.prefill_s),
+            (m.ROUTER_TRANSFER, self.transfer_s),
+            (m.ROUTER_HANDOFF_GAP, self.handoff_gap_s),
+        ):
+            lines += render_histograms(spec, [({}, hist)])
+        for spec, counts, label in (
+            (m.ROUTER_RETRIES, self.retries, "reason"),
+            (m.ROUTER_FALLBACKS, self.fallbacks, "reason"),
+            (m.ROUTER_KV_HANDOFFS, self.kv_handoffs, "outcome"),
+            (m.ROUTER_HANDOFF_SPIKES, self.handoff_spikes, "phase"),
+        ):
+            lines += render_family(spec, (({label: k}, n) for k, n in sorted(counts.items())))
+        lines += render_family(m.ROUTER_MIGRATIONS, [({}, self.num_migrations)])
         if self.breaker is not None:
-            lines += [
-                "# HELP pdserve_router_breaker_state KV-path breaker: 0 closed, 1 half-open, 2 open.",
-                "# TYPE pdserve_router_breaker_state gauge",
-                f"pdserve_router_breaker_state {BREAKER_STATE_VALUES[self.breaker.state]}",
-                "# HELP pdserve_router_breaker_transitions_total Breaker state changes.",
-                "# TYPE pdserve_router_breaker_transitions_total counter",
-                *(
-                    f'pdserve_router_breaker_transitions_total{{from="{a}",to="{b}"}} {n}'
-                    for (a, b), n in sorted(self.breaker.counts.items())
-                ),
-            ]
+            lines += render_family(
+                m.ROUTER_BREAKER_STATE, [({}, BREAKER_STATE_VALUES[self.breaker.state])]
+            )
+            lines += render_family(
+                m.ROUTER_BREAKER_TRANSITIONS,
+                (({"from": a, "to": b}, n) for (a, b), n in sorted(self.breaker.counts.items())),
+            )
+        if self.workers is not None:
+            lines += _render_workers(self.workers())
         return "\n".join(lines) + "\n"
+
+
+def _render_workers(workers: Sequence[WorkerGauges]) -> list[str]:
+    lines: list[str] = []
+    for spec, value in (
+        (m.ROUTER_WORKER_UP, lambda w: float(w.up)),
+        (m.ROUTER_WORKER_BLOCKS_FREE, lambda w: w.num_free_blocks),
+        (m.ROUTER_WORKER_BLOCKS_PINNED, lambda w: w.num_pinned_blocks),
+        (m.ROUTER_WORKER_REQUESTS_RUNNING, lambda w: w.num_running),
+        (m.ROUTER_WORKER_REQUESTS_WAITING, lambda w: w.num_waiting),
+        (m.ROUTER_WORKER_INFLIGHT, lambda w: w.num_inflight),
+        (m.ROUTER_WORKER_CLOCK_OFFSET, lambda w: w.clock_offset_s),
+    ):
+        samples = [
+            ({"worker": w.worker, "role": w.role}, v)
+            for w in workers
+            if (v := value(w)) is not None
+        ]
+        lines += render_family(spec, samples)
+    return lines
+
+
+def worker_gauges(pool: WorkerPool) -> list[WorkerGauges]:
+    """The pool's workers as the router last saw them."""
+    gauges = []
+    for view in pool.snapshot():
+        h = view.health
+        clock = pool.clock(view.url)
+        offset = None if clock is None else clock.offset_ns
+        gauges.append(
+            WorkerGauges(
+                worker=view.url,
+                role=h.role if h is not None else "unknown",
+                up=view.healthy,
+                num_free_blocks=h.num_free_blocks if h is not None else None,
+                num_pinned_blocks=h.num_pinned_blocks if h is not None else None,
+                num_running=h.num_running if h is not None else None,
+                num_waiting=h.num_waiting if h is not None else None,
+                num_inflight=view.num_inflight,
+                clock_offset_s=None if offset is None else offset / 1e9,
+            )
+        )
+    return gauges

@@ -192,7 +192,8 @@ class OpenAIApi:
         flow, timeline = self._dispatcher.begin(job.request_id)
         mode = timeline.mode
         output = OutputStream(self._tokenizer, job.sampling, self._tokenizer.eos_token_ids)
-        freq = FlowRequest(job.request_id, job.prompt_token_ids, job.sampling, timeline)
+        session_id = request.headers.get("x-session-id") or job.body.user
+        freq = FlowRequest(job.request_id, job.prompt_token_ids, job.sampling, timeline, session_id)
         status = "error"
         try:
             async with (
@@ -229,13 +230,8 @@ class OpenAIApi:
         self, flow: Flow, freq: FlowRequest, output: OutputStream
     ) -> AsyncGenerator[_Piece, None]:
         timeline = freq.timeline
-        first = True
         async with contextlib.aclosing(flow.stream(freq)) as chunks:
             async for chunk in chunks:
-                if first and chunk.token_ids:
-                    first = False
-                    ttft = (time.monotonic_ns() - timeline.history[0].monotonic_ns) / 1e9
-                    self._metrics.ttft_s.observe(ttft)
                 before = output.num_tokens
                 text = output.add_all(chunk.token_ids)
                 accepted = output.token_ids[before:]

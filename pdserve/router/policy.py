@@ -11,7 +11,8 @@ Rules, in order:
    never chosen, so two engines with different fingerprints are never paired (invariant 3).
 3. Among candidates of the right role, the least loaded wins: fewest requests (running +
    waiting + router in-flight), then most free KV blocks, then list order. Exact and
-   deterministic, so tests assert the choice.
+   deterministic, so tests assert the choice. (`affinity.py` reorders these same candidates
+   by cached prefix, session and load.)
 4. A prefill worker must have the decode worker's digest; role `prefill` is preferred over a
    `both` worker, and the decode worker itself is never its own prefill worker.
 """
@@ -53,15 +54,17 @@ def compatible_digest(workers: Sequence[WorkerView]) -> str | None:
     return None  # unreachable: some live worker holds the best count
 
 
-def _load_key(w: WorkerView) -> tuple[int, int, int]:
+def load_key(w: WorkerView) -> tuple[int, int, int]:
+    """(requests on it, -free blocks, list index): the least-loaded order of rule 3."""
     assert w.health is not None
     busy = w.health.num_running + w.health.num_waiting + w.num_inflight
     return (busy, -w.health.num_free_blocks, w.index)
 
 
-def _candidates(
+def candidates(
     workers: Sequence[WorkerView], roles: Collection[str], digest: str, exclude: Collection[str]
 ) -> list[WorkerView]:
+    """Healthy workers of `roles` with fingerprint `digest`, not in `exclude` (rules 1, 2)."""
     return [
         w
         for w in workers
@@ -78,7 +81,7 @@ def rank_decode(workers: Sequence[WorkerView], exclude: Collection[str] = ()) ->
     digest = compatible_digest(workers)
     if digest is None:
         return []
-    return sorted(_candidates(workers, ("decode", "both"), digest, exclude), key=_load_key)
+    return sorted(candidates(workers, ("decode", "both"), digest, exclude), key=load_key)
 
 
 def pick_prefill(
@@ -89,10 +92,10 @@ def pick_prefill(
         return None
     digest = decode.health.fingerprint_digest
     skip = {*exclude, decode.url}
-    found = _candidates(workers, ("prefill", "both"), digest, skip)
+    found = candidates(workers, ("prefill", "both"), digest, skip)
     if not found:
         return None
-    return min(found, key=lambda w: (w.health is None or w.health.role != "prefill", _load_key(w)))
+    return min(found, key=lambda w: (w.health is None or w.health.role != "prefill", load_key(w)))
 
 
 def rank_colocated(
@@ -102,7 +105,7 @@ def rank_colocated(
     digest = compatible_digest(workers)
     if digest is None:
         return []
-    return sorted(_candidates(workers, ("both",), digest, exclude), key=_load_key)
+    return sorted(candidates(workers, ("both",), digest, exclude), key=load_key)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,10 @@ unhealthy (and so never chosen) until a later poll succeeds. The router reports 
 sees on calls with `mark_failed`, which takes a worker out at once instead of waiting for the
 next poll.
 
+Each health poll is also a clock echo: the worker's answer carries its monotonic clock, and
+the pool keeps a `ClockSync` per worker (`clock_offset_ns`) so the router can place worker
+timeline events on its own clock.
+
 The pool knows nothing about requests or modes; `snapshot()` hands the policy an immutable view.
 """
 
@@ -23,12 +27,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from pdserve.errors import RouterError
 from pdserve.membership import Member, Membership, diff_members
 from pdserve.membership.base import normalize_url
+from pdserve.observability.clock_sync import ClockSync
 from pdserve.router.policy import WorkerView
 from pdserve.router.worker_client import WorkerClient
 from pdserve.worker.protocol import WorkerHealth
@@ -44,6 +50,7 @@ class _Entry:
     healthy: bool = False
     num_inflight: int = 0
     last_error: str | None = None
+    clock: ClockSync = field(default_factory=ClockSync)
 
     @property
     def url(self) -> str:
@@ -105,7 +112,13 @@ class WorkerPool:
         diff = diff_members(self.members(), members)
         for member in diff.removed:
             entry = self._entries.pop(normalize_url(member.url))
-            log.info("pool: %s (%s) left", entry.url, member.worker_id or "static")
+            num_cut = self._client.abandon(entry.url)
+            log.info(
+                "pool: %s (%s) left; %d open streams cut",
+                entry.url,
+                member.worker_id or "static",
+                num_cut,
+            )
         for member in diff.updated:
             entry = self._entries[normalize_url(member.url)]
             entry.member = member
@@ -139,11 +152,21 @@ class WorkerPool:
 
     async def _poll(self, entry: _Entry) -> None:
         try:
+            sent_ns = time.monotonic_ns()
             health = await self._client.health(entry.url)
+            received_ns = time.monotonic_ns()
         except RouterError as exc:
             entry.healthy = False
             entry.last_error = str(exc)
             return
+        if health.monotonic_ns is not None:
+            arrived = health.request_monotonic_ns
+            entry.clock.add(
+                sent_ns,
+                health.monotonic_ns if arrived is None else arrived,
+                received_ns,
+                remote_sent_ns=health.monotonic_ns,
+            )
         entry.health = health
         entry.healthy = True
         entry.last_error = None
@@ -166,6 +189,11 @@ class WorkerPool:
         if entry is not None:
             entry.healthy = False
             entry.last_error = reason
+
+    def clock(self, url: str) -> ClockSync | None:
+        """The clock estimate of a member worker (it has no sample before its first poll)."""
+        entry = self._entries.get(url)
+        return None if entry is None else entry.clock
 
     def last_error(self, url: str) -> str | None:
         """The last poll or call failure recorded for `url`."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.errors import IllegalRequestTransition
@@ -84,6 +85,13 @@ class RequestTimeline:
     request_id: str
     mode: str
     history: list[Transition] = field(default_factory=list)
+    # Told of every transition after it is recorded (JSON log lines, OpenTelemetry); must not
+    # raise. Not called for the transitions given to the constructor.
+    on_transition: Callable[[RequestTimeline, Transition], None] | None = None
+    # Output tokens as they reached the router (see `record_tokens`).
+    num_output_tokens: int = 0
+    first_token_ns: int | None = None
+    last_token_ns: int | None = None
 
     def __post_init__(self) -> None:
         if not self.history:
@@ -103,7 +111,23 @@ class RequestTimeline:
         """Move to `target`; raises IllegalRequestTransition (state unchanged) if not allowed."""
         if not can_transition(self.state, target):
             raise IllegalRequestTransition(self.request_id, self.state.name, target.name)
-        self.history.append(Transition(target, time.monotonic_ns(), time.time(), detail))
+        transition = Transition(target, time.monotonic_ns(), time.time(), detail)
+        self.history.append(transition)
+        if self.on_transition is not None:
+            self.on_transition(self, transition)
+
+    def record_tokens(self, num_tokens: int, now_ns: int) -> float | None:
+        """`num_tokens` output tokens arrived at `now_ns` (monotonic); returns the seconds per
+        token since the previous arrival (the inter-token latency of each of them), None for
+        the first tokens of the request or an empty chunk."""
+        if num_tokens <= 0:
+            return None
+        previous = self.last_token_ns
+        if self.first_token_ns is None:
+            self.first_token_ns = now_ns
+        self.last_token_ns = now_ns
+        self.num_output_tokens += num_tokens
+        return None if previous is None else (now_ns - previous) / 1e9 / num_tokens
 
     def fail(self, detail: str) -> None:
         """Move to FAILED unless already terminal (cleanup paths call this unconditionally)."""

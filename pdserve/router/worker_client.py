@@ -31,6 +31,7 @@ from pdserve.worker.protocol import (
     Reservation,
     ReserveRequest,
     TokenEvent,
+    WorkerEvents,
     WorkerHealth,
 )
 
@@ -59,10 +60,29 @@ class WorkerClient:
         self._timeouts = timeouts
         # Cleanup releases in flight; held so they are not garbage-collected mid-call.
         self._cleanups: set[asyncio.Task[None]] = set()
+        # Token streams open per worker URL, so `abandon` can cut them.
+        self._streams: dict[str, set[aiohttp.ClientResponse]] = {}
+
+    def abandon(self, url: str) -> int:
+        """Cut every open token stream from `url` (it left the pool); returns how many.
+
+        A worker that went silent (a partition, a lapsed membership lease) never closes its
+        streams; without this each would wait out the stream read timeout before failing over.
+        The cut stream fails as any broken stream does, and the flows' recovery takes over.
+        """
+        streams = self._streams.pop(url, set())
+        for resp in streams:
+            resp.close()
+        return len(streams)
 
     async def health(self, url: str) -> WorkerHealth:
         """GET /health."""
         return await self._get(url, "/health", WorkerHealth, self._timeouts.health_s)
+
+    async def debug_events(self, url: str, request_id: str) -> WorkerEvents:
+        """GET /debug/requests/{id}: the worker's timeline events for a router request."""
+        path = f"/debug/requests/{request_id}"
+        return await self._get(url, path, WorkerEvents, self._timeouts.health_s)
 
     async def reserve(self, url: str, request: ReserveRequest) -> Reservation:
         """POST /reserve: a decode slot and blocks for a transfer."""
@@ -134,8 +154,15 @@ class WorkerClient:
             ) as resp:
                 if resp.status >= 300:
                     await _raise_error(url, resp)
-                async for line in _lines(resp):
-                    yield _validate(url, TokenEvent, line)
+                open_streams = self._streams.setdefault(url, set())
+                open_streams.add(resp)
+                try:
+                    async for line in _lines(resp):
+                        yield _validate(url, TokenEvent, line)
+                finally:
+                    open_streams.discard(resp)
+                    if not open_streams and self._streams.get(url) is open_streams:
+                        del self._streams[url]
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise WorkerUnreachable(url, f"POST {path} stream: {exc!r}") from exc
 

@@ -14,6 +14,7 @@ lease checks in as callbacks).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -61,6 +62,8 @@ class KVReceiver:
         self._expected: dict[bytes, IncomingTransfer] = {}
         self.num_verified = 0
         self.num_failed_attempts = 0
+        # Failed attempts by the error class that ended them ("dropped" for a cut link).
+        self.failed_attempts_by_reason: Counter[str] = Counter()
 
     def expect(self, incoming: IncomingTransfer) -> None:
         """Register a reservation; frames for its transfer id are accepted from now on."""
@@ -105,6 +108,7 @@ class KVReceiver:
             except PdserveError as exc:
                 incoming.last_error = f"{type(exc).__name__}: {exc}"
                 self.num_failed_attempts += 1
+                self.failed_attempts_by_reason[type(exc).__name__] += 1
                 for out in session.take_outgoing():
                     await write_frame(stream, out)
                 return
@@ -120,6 +124,7 @@ class KVReceiver:
         if not await self._on_chunk():
             incoming.last_error = "connection dropped before a chunk landed"
             self.num_failed_attempts += 1
+            self.failed_attempts_by_reason["dropped"] += 1
             return False
         # The hook may have waited: the reservation must still own its blocks before any data
         # is written into them (the guard raises LeaseError once it does not).

@@ -31,6 +31,7 @@ from pydantic import BaseModel
 from pdserve.engine.engine import Engine
 from pdserve.errors import EngineError, PdserveError, RequestNotFound, WrongRole
 from pdserve.faults import FaultClosed, FaultInjector, FaultSite, parse_rules, perform
+from pdserve.observability.timeline_log import EventRing
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.engine_loop import DeltaQueue, EngineInfo, EngineLoop
 from pdserve.worker.http_errors import Handler, error_middleware
@@ -50,8 +51,11 @@ from pdserve.worker.protocol import (
     ReleaseResult,
     ReserveRequest,
     TokenEvent,
+    WorkerEventModel,
+    WorkerEvents,
     WorkerHealth,
 )
+from pdserve.worker.reuse_metrics import render_reuse
 
 M = TypeVar("M", bound=BaseModel)
 NDJSON = "application/x-ndjson"
@@ -101,6 +105,7 @@ class WorkerAPI:
         inbox: KVInbox | None,
         outbox: KVOutbox | None,
         faults: FaultInjector | None = None,
+        events: EventRing | None = None,
     ) -> None:
         self.config = config
         self.worker_id = config.worker_id
@@ -111,6 +116,8 @@ class WorkerAPI:
         self.outbox = outbox
         # Fault injection (tests only): None unless enabled, and then every site is skipped.
         self.faults = faults
+        # This worker's timeline events of recent requests (GET /debug/requests/{id}).
+        self.events = events if events is not None else EventRing(config.worker_id)
 
     def app(self) -> web.Application:
         """The application with every route of the protocol (+ /admin/faults if enabled)."""
@@ -127,6 +134,7 @@ class WorkerAPI:
                 web.post("/generate", self.generate),
                 web.post("/release", self.release),
                 web.get("/metrics", self.metrics),
+                web.get("/debug/requests/{request_id}", self.debug_request),
             ]
         )
         if self.config.enable_fault_admin:
@@ -155,9 +163,17 @@ class WorkerAPI:
             )
         return self.outbox
 
-    async def _stream(self, queue: DeltaQueue, response: web.StreamResponse) -> None:
+    async def _stream(
+        self, queue: DeltaQueue, response: web.StreamResponse, request_id: str = ""
+    ) -> None:
+        first = True
         while True:
             delta = await queue.get()
+            if first and delta.new_token_ids:
+                first = False
+                self.events.record(request_id, "first_token")
+            if delta.finished:
+                self.events.record(request_id, "finished", delta.finish_reason or "")
             token_ids = list(delta.new_token_ids)
             if self.faults is not None:
                 token_ids = await self._token_faults(token_ids, response)
@@ -197,6 +213,7 @@ class WorkerAPI:
 
     async def health(self, request: web.Request) -> web.Response:
         """GET /health -> WorkerHealth."""
+        arrived_ns = time.monotonic_ns()
         stats = await self.engine.stats()
         info = self.info
         body = WorkerHealth(
@@ -214,6 +231,9 @@ class WorkerAPI:
             num_running=stats.num_running,
             num_waiting=stats.num_waiting,
             num_active_leases=self.leases.num_active,
+            request_monotonic_ns=arrived_ns,
+            monotonic_ns=time.monotonic_ns(),
+            wall_time_s=time.time(),
         )
         return _json(body)
 
@@ -234,7 +254,7 @@ class WorkerAPI:
         destination = Destination.parse(body.reservation) if body.reservation else None
         if self.faults is not None and (rule := self.faults.fire(FaultSite.WORKER_PREFILL)):
             await perform(rule)
-        start_ns = time.monotonic_ns()
+        start_ns = self.events.record(rid, "prefill_start").monotonic_ns
         # One token, sampled with the request's own params (seed included): the sampler keys
         # token 0's randomness by (seed, 0), so it is the token a colocated run draws.
         queue = await self.engine.add(
@@ -247,7 +267,7 @@ class WorkerAPI:
                 raise EngineError(
                     f"request {rid}: prefill ended without a token ({delta.finish_reason})"
                 )
-            end_ns = time.monotonic_ns()
+            end_ns = self.events.record(rid, "prefill_end").monotonic_ns
             views, block_ids, num_cached = await self.engine.call(_held_kv(rid))
             if destination is not None:
                 outbox.start(
@@ -283,6 +303,7 @@ class WorkerAPI:
             try:
                 await inbox.take(rid, body.kv_timeout_s)
                 queue = await self.engine.mark_ready(rid, body.first_token_id)
+                self.events.record(rid, "decode_start")
             except PdserveError as exc:
                 await inbox.cancel(rid, f"{type(exc).__name__}: {exc}")
                 await self.engine.abort(rid)
@@ -295,7 +316,7 @@ class WorkerAPI:
                 await response.write(event.model_dump_json().encode() + b"\n")
                 done = True
                 return response
-            await self._stream(queue, response)
+            await self._stream(queue, response, rid)
             done = True
         finally:
             if not done:  # the client went away: nobody will read the rest
@@ -314,6 +335,9 @@ class WorkerAPI:
                 f"worker {self.worker_id} (role {self.config.role}) does not serve /generate"
             )
         body = await _parse(request, GenerateRequest)
+        self.events.record(
+            body.request_id, "generate_start", f"resume_after={len(body.output_token_ids)}"
+        )
         queue = await self.engine.add(
             body.request_id,
             body.prompt_token_ids,
@@ -323,7 +347,7 @@ class WorkerAPI:
         done = False
         try:
             response = await self._open_stream(request)
-            await self._stream(queue, response)
+            await self._stream(queue, response, body.request_id)
             done = True
         finally:
             if not done:
@@ -355,9 +379,39 @@ class WorkerAPI:
             transfer_attempts_refused=receiver.num_failed_attempts if receiver else 0,
             reservations_cancelled=self.inbox.num_cancelled if self.inbox else 0,
             lease_expiries=self.leases.num_expired_total,
+            kv_send_retries=self.outbox.num_send_retries if self.outbox else 0,
+            refusals_by_reason=dict(receiver.failed_attempts_by_reason) if receiver else {},
+            lease_expiries_by_kind=dict(self.leases.expired_by_kind),
+            num_reserved_blocks=self.inbox.num_reserved_blocks if self.inbox else 0,
         )
-        text = render(self.worker_id, stats, self.leases.num_active, counters)
+        sends = self.outbox.sends if self.outbox else None
+        text = render(self.worker_id, stats, self.leases.num_active, counters, sends)
+        text += render_reuse(self.worker_id, stats)
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+    async def debug_request(self, request: web.Request) -> web.Response:
+        """GET /debug/requests/{id} -> WorkerEvents (suffixed ids `.rN`, `.mN` included)."""
+        arrived_ns = time.monotonic_ns()
+        events = self.events.events_for(request.match_info["request_id"])
+        return _json(
+            WorkerEvents(
+                worker_id=self.worker_id,
+                role=self.config.role,  # type: ignore[arg-type]  # validated by WorkerConfig
+                request_monotonic_ns=arrived_ns,
+                monotonic_ns=time.monotonic_ns(),
+                wall_time_s=time.time(),
+                events=[
+                    WorkerEventModel(
+                        request_id=e.request_id,
+                        event=e.event,
+                        monotonic_ns=e.monotonic_ns,
+                        wall_time_s=e.wall_time_s,
+                        detail=e.detail,
+                    )
+                    for e in events
+                ],
+            )
+        )
 
     # ---- fault admin (only with enable_fault_admin) ---------------------------------------
 

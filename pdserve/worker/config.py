@@ -38,6 +38,8 @@ class WorkerConfig:
     # Seconds between lease-expiry sweeps.
     reap_interval_s: float = 0.5
     engine: EngineConfig = field(default_factory=EngineConfig)
+    # Deadline of each KV chunk send and reply: how fast a stalled link is noticed.
+    transfer_chunk_timeout_s: float = 2.0
     # Fault-injection rules (`pdserve.faults` syntax), for tests only; () injects nothing.
     faults: tuple[str, ...] = ()
     # Seed of the fault plan's draws.
@@ -52,8 +54,12 @@ class WorkerConfig:
     # Seconds the registration outlives the last keep-alive: a worker that dies leaves the
     # routers' pools within this. Whole seconds (etcd leases are).
     membership_ttl_s: int = 10
+    # Requests whose timeline events are kept for GET /debug/requests/{id} (oldest evicted).
+    timeline_ring: int = 1000
 
     def __post_init__(self) -> None:
+        if self.timeline_ring < 1:
+            raise ConfigError(f"timeline-ring: must be >= 1, got {self.timeline_ring}")
         if self.role not in ROLES:
             raise ConfigError(f"role: {self.role!r} is not one of {', '.join(ROLES)}")
         for name in ("port", "kv_port"):
@@ -62,6 +68,11 @@ class WorkerConfig:
                 raise ConfigError(f"{name}: must be an integer in 0..65535, got {value!r}")
         if not self.reap_interval_s > 0:
             raise ConfigError(f"reap_interval_s: must be > 0, got {self.reap_interval_s!r}")
+        if not 0 < self.transfer_chunk_timeout_s < float("inf"):
+            raise ConfigError(
+                f"transfer-chunk-timeout-s: must be a finite number > 0,"
+                f" got {self.transfer_chunk_timeout_s!r}"
+            )
         parse_rules(self.faults)  # a bad rule fails at start, named
         if self.discovery is not None:
             self._check_discovery()

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from pdserve.errors import KVNotReady, RequestNotFound
 from pdserve.faults import FaultInjector, FaultKind, FaultSite, perform
+from pdserve.observability.timeline_log import EventRing
 from pdserve.transfer.messages import KVLayout, token_digest
 from pdserve.transfer.receiver import IncomingTransfer, KVReceiver
 from pdserve.transfer.receiver_session import ReceivePlan
@@ -42,6 +43,8 @@ class _Pending:
     request_id: str
     transfer_id: bytes
     lease: LeaseHandle
+    # Blocks allocated for the request (the reserved-blocks gauge sums them).
+    num_blocks: int
     # Set once: verified, or cancelled (then `cancel_reason` says why).
     settled: asyncio.Event = field(default_factory=asyncio.Event)
     verified: bool = False
@@ -57,6 +60,7 @@ class KVInbox:
         info: EngineInfo,
         leases: LeaseKeeper,
         faults: FaultInjector | None = None,
+        events: EventRing | None = None,
     ) -> None:
         self._engine = engine
         self._info = info
@@ -68,20 +72,26 @@ class KVInbox:
         )
         self._pending: dict[str, _Pending] = {}
         self._server: TcpServer | None = None
+        self._advertise_host: str | None = None
         self._tasks: set[asyncio.Task[int]] = set()
         self.num_cancelled = 0
+        # Timeline events (reserved, kv_verified, reservation_cancelled); None: not recorded.
+        self._events = events
 
-    async def start(self, host: str, port: int) -> str:
-        """Listen for KV connections; returns the endpoint as "host:port"."""
+    async def start(self, host: str, port: int, advertise_host: str | None = None) -> str:
+        """Listen on `host` for KV connections; returns the endpoint as "host:port", naming
+        `advertise_host` (where other machines reach this one) instead of `host` when given."""
         self._server = await serve_tcp(self.receiver.handle, host, port)
+        self._advertise_host = advertise_host
         return self.address
 
     @property
     def address(self) -> str:
-        """ "host:port" of the KV endpoint (after `start`)."""
+        """ "host:port" prefill workers send KV to (after `start`). Reservations carry it to
+        another machine, where a wildcard bind (0.0.0.0) would mean that machine itself."""
         assert self._server is not None, "KVInbox.start was not called"
         host, port = self._server.address
-        return f"{host}:{port}"
+        return f"{self._advertise_host or host}:{port}"
 
     async def aclose(self) -> None:
         """Stop the endpoint and cancel every pending reservation."""
@@ -110,8 +120,9 @@ class KVInbox:
                 f"reservation {rid}",
                 lambda: self._spawn_cancel(rid, f"lease expired after {body.lease_ttl_s}s"),
             )
-            pending = _Pending(rid, transfer_id, lease)
+            pending = _Pending(rid, transfer_id, lease, len(block_ids))
             self._pending[rid] = pending
+            self._record(rid, "reserved", f"blocks={len(block_ids)} cached_tokens={num_cached}")
             if end > skip:
                 layout = KVLayout(
                     info.num_layers, end - skip, info.block_bytes, info.dtype, info.block_size
@@ -179,7 +190,17 @@ class KVInbox:
         self.receiver.forget(pending.transfer_id)
         self._leases.drop(pending.lease)
         self.num_cancelled += 1
+        self._record(request_id, "reservation_cancelled", reason)
         return await self._engine.abort(request_id)
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        """Blocks allocated to reservations not yet handed over or cancelled."""
+        return sum(p.num_blocks for p in self._pending.values())
+
+    def _record(self, request_id: str, event: str, detail: str = "") -> None:
+        if self._events is not None:
+            self._events.record(request_id, event, detail)
 
     def has(self, request_id: str) -> bool:
         """Whether a reservation for the request is pending."""
@@ -197,6 +218,7 @@ class KVInbox:
         return True
 
     def _verified(self, pending: _Pending) -> None:
+        self._record(pending.request_id, "kv_verified")
         pending.verified = True
         pending.settled.set()
 

@@ -20,10 +20,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 
 from pdserve.errors import ConfigError
 from pdserve.faults import FaultInjector
+from pdserve.observability.timeline_log import EventRing
 from pdserve.transfer.faulty import InjectorStream
 from pdserve.transfer.messages import KVLayout, token_digest
 from pdserve.transfer.sender import (
@@ -37,6 +39,7 @@ from pdserve.transfer.stream import Address, ByteStream
 from pdserve.transfer.tcp import open_tcp_stream
 from pdserve.worker.engine_loop import EngineInfo, EngineLoop
 from pdserve.worker.lease_keeper import LeaseKeeper
+from pdserve.worker.metrics import SendHistograms
 from pdserve.worker.protocol import Reservation
 
 logger = logging.getLogger(__name__)
@@ -87,6 +90,7 @@ class KVOutbox:
         leases: LeaseKeeper,
         policy: SendPolicy | None = None,
         faults: FaultInjector | None = None,
+        events: EventRing | None = None,
     ) -> None:
         self._engine = engine
         self._info = info
@@ -97,6 +101,11 @@ class KVOutbox:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.num_sent = 0
         self.num_failed = 0
+        # Attempts after the first, over every acknowledged send.
+        self.num_send_retries = 0
+        self.sends = SendHistograms()
+        # Timeline events (kv_send_start, kv_send_acked, kv_send_failed); None: not recorded.
+        self._events = events
 
     def start(
         self,
@@ -138,6 +147,10 @@ class KVOutbox:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _record(self, request_id: str, event: str, detail: str) -> None:
+        if self._events is not None:
+            self._events.record(request_id, event, detail)
 
     @property
     def num_in_flight(self) -> int:
@@ -181,7 +194,10 @@ class KVOutbox:
                 stream = await open_tcp_stream(destination.address)
                 return stream if faults is None else InjectorStream(stream, faults)
 
-            await send_with_retries(
+            num_bytes = sum(view.nbytes for view in blocks)
+            self._record(request_id, "kv_send_start", f"blocks={len(blocks)} bytes={num_bytes}")
+            started = time.monotonic()
+            report = await send_with_retries(
                 connect,
                 session,
                 transfer,
@@ -191,11 +207,21 @@ class KVOutbox:
                 clock=self._leases.clock,
             )
             self.num_sent += 1
+            self.num_send_retries += report.attempts - 1
+            self.sends.observe(time.monotonic() - started, num_bytes)
+            self._record(
+                request_id,
+                "kv_send_acked",
+                f"attempts={report.attempts} bytes={num_bytes}"
+                + "".join(f"; {failure}" for failure in report.failures),
+            )
         except asyncio.CancelledError:
             self.num_failed += 1
+            self._record(request_id, "kv_send_failed", "cancelled")
             raise
         except Exception as exc:
             self.num_failed += 1
+            self._record(request_id, "kv_send_failed", f"{type(exc).__name__}: {exc}")
             logger.warning(
                 "KV send of request %s failed: %s: %s", request_id, type(exc).__name__, exc
             )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 from pdserve.clock import Clock, MonotonicClock
@@ -34,6 +35,9 @@ class LeaseKeeper:
         self.interval_s = interval_s
         self._on_expire: dict[int, Callable[[], object]] = {}
         self._task: asyncio.Task[None] | None = None
+        # Expiries by what the lease held: the first word of its holder ("prefill",
+        # "reservation"), a bounded label for metrics.
+        self.expired_by_kind: Counter[str] = Counter()
 
     def grant(
         self,
@@ -68,6 +72,7 @@ class LeaseKeeper:
         """Expire due leases and run their callbacks; returns how many expired."""
         expired = self.table.expire()
         for lease in expired:
+            self.expired_by_kind[lease.holder.split(" ", 1)[0] or "unknown"] += 1
             callback = self._on_expire.pop(lease.lease_id, None)
             if callback is None:
                 continue

@@ -55,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--ready-file", type=Path, default=None, help='write {"url","pid"} here')
     p.add_argument(
+        "--transfer-chunk-timeout-s",
+        type=float,
+        default=2.0,
+        help="deadline of each KV chunk send and reply (a stalled link is noticed this fast)",
+    )
+    p.add_argument(
         "--fault",
         action="append",
         default=[],
@@ -64,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fault-seed", type=int, default=0, help="seed of the fault plan's draws")
     p.add_argument(
         "--enable-fault-admin", action="store_true", help="tests only: serve /admin/faults"
+    )
+    p.add_argument(
+        "--timeline-ring",
+        type=int,
+        default=1000,
+        help="recent requests whose timeline events /debug/requests/{id} keeps",
     )
     m = p.add_argument_group("membership (several machines)")
     m.add_argument(
@@ -112,12 +124,14 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         kv_port=args.kv_port,
         worker_id=args.worker_id or _default_worker_id(args),
         ready_file=args.ready_file,
+        transfer_chunk_timeout_s=args.transfer_chunk_timeout_s,
         faults=tuple(args.fault),
         fault_seed=args.fault_seed,
         enable_fault_admin=args.enable_fault_admin,
         discovery=args.discovery,
         advertise_host=args.advertise_host,
         membership_ttl_s=args.membership_ttl_s,
+        timeline_ring=args.timeline_ring,
         engine=engine,
     )
 

@@ -1,8 +1,9 @@
 """The worker's Prometheus text: gauges read at scrape time, counters kept by their owners.
 
-Gauges come from the engine's `EngineStats` and the lease table; counters are the totals the
-outbox (sends), the receiver (verified commits, failed attempts) and the lease table (expiries)
-already keep, so there is no second count to drift. Names are prefixed `pdserve_worker_` and
+Gauges come from the engine's `EngineStats`, the lease table and the inbox; counters are the
+totals the outbox (sends, resends, send histograms), the receiver (verified commits, refused
+attempts by reason) and the lease keeper (expiries by kind) already keep, so there is no
+second count to drift. Every family is declared in `pdserve.observability.metric_names` and
 labelled with the worker id.
 
 It knows how to format numbers; not where they come from.
@@ -10,9 +11,42 @@ It knows how to format numbers; not where they come from.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from pdserve.engine.engine import EngineStats
+from pdserve.observability import metric_names as m
+from pdserve.observability.exposition import (
+    BYTES_BUCKETS,
+    GBPS_BUCKETS,
+    SECONDS_BUCKETS,
+    Histogram,
+    render_family,
+    render_histograms,
+)
+
+# Refusal reasons (error classes) that mean the two builds differ: version skew between a
+# prefill and a decode worker, refused at the handshake (DESIGN.md invariant 3).
+SKEW_REASONS: Mapping[str, str] = {
+    "FingerprintMismatch": "fingerprint",
+    "UnsupportedVersion": "protocol_version",
+}
+
+
+@dataclass(slots=True)
+class SendHistograms:
+    """Acknowledged KV sends of one worker (the outbox observes them)."""
+
+    seconds: Histogram = field(default_factory=lambda: Histogram(SECONDS_BUCKETS))
+    num_bytes: Histogram = field(default_factory=lambda: Histogram(BYTES_BUCKETS))
+    gigabytes_per_second: Histogram = field(default_factory=lambda: Histogram(GBPS_BUCKETS))
+
+    def observe(self, seconds: float, num_bytes: int) -> None:
+        """One send: wall time from first connect to final ack, and the KV bytes it moved."""
+        self.seconds.observe(seconds)
+        self.num_bytes.observe(num_bytes)
+        if seconds > 0:
+            self.gigabytes_per_second.observe(num_bytes / seconds / 1e9)
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,45 +59,59 @@ class WorkerCounters:
     transfer_attempts_refused: int = 0
     reservations_cancelled: int = 0
     lease_expiries: int = 0
-
-
-def _line(name: str, kind: str, help_text: str, value: float, worker_id: str) -> str:
-    metric = f"pdserve_worker_{name}"
-    return (
-        f"# HELP {metric} {help_text}\n# TYPE {metric} {kind}\n"
-        f'{metric}{{worker_id="{worker_id}"}} {value}\n'
-    )
+    # Attempts after the first of every send (resends from the held snapshot).
+    kv_send_retries: int = 0
+    refusals_by_reason: Mapping[str, int] = field(default_factory=dict)
+    lease_expiries_by_kind: Mapping[str, int] = field(default_factory=dict)
+    # Blocks allocated to reservations still waiting for their KV.
+    num_reserved_blocks: int = 0
 
 
 def render(
-    worker_id: str, stats: EngineStats, num_active_leases: int, counters: WorkerCounters
+    worker_id: str,
+    stats: EngineStats,
+    num_active_leases: int,
+    counters: WorkerCounters,
+    sends: SendHistograms | None = None,
 ) -> str:
     """Prometheus exposition text (version 0.0.4)."""
-    gauges = (
-        ("blocks_total", "KV blocks in the cache", stats.num_blocks),
-        ("blocks_free", "KV blocks free (cached-but-unused included)", stats.num_free_blocks),
-        ("blocks_pinned", "KV blocks held for another party", stats.num_held_blocks),
-        ("requests_running", "requests in the running batch", stats.num_running),
-        ("requests_waiting", "requests queued for prefill", stats.num_waiting),
-        ("requests_remote_waiting", "reservations awaiting remote KV", stats.num_remote_waiting),
-        ("leases_active", "leases granted and not ended", num_active_leases),
+    w = {"worker_id": worker_id}
+    lines: list[str] = []
+    for spec, value in (
+        (m.WORKER_BLOCKS_TOTAL, stats.num_blocks),
+        (m.WORKER_BLOCKS_FREE, stats.num_free_blocks),
+        (m.WORKER_BLOCKS_PINNED, stats.num_held_blocks),
+        (m.WORKER_BLOCKS_RESERVED, counters.num_reserved_blocks),
+        (m.WORKER_REQUESTS_RUNNING, stats.num_running),
+        (m.WORKER_REQUESTS_WAITING, stats.num_waiting),
+        (m.WORKER_REQUESTS_REMOTE_WAITING, stats.num_remote_waiting),
+        (m.WORKER_LEASES_ACTIVE, num_active_leases),
+        (m.WORKER_TRANSFERS_SENT, counters.transfers_sent),
+        (m.WORKER_TRANSFERS_SEND_FAILED, counters.transfers_send_failed),
+        (m.WORKER_TRANSFERS_RECEIVED, counters.transfers_received),
+        (m.WORKER_TRANSFER_ATTEMPTS_REFUSED, counters.transfer_attempts_refused),
+        (m.WORKER_RESERVATIONS_CANCELLED, counters.reservations_cancelled),
+        (m.WORKER_LEASE_EXPIRIES, counters.lease_expiries),
+        (m.WORKER_KV_SEND_RETRIES, counters.kv_send_retries),
+    ):
+        lines += render_family(spec, [(w, value)])
+    refusals = sorted(counters.refusals_by_reason.items())
+    lines += render_family(
+        m.WORKER_TRANSFER_REFUSALS, (({**w, "reason": r}, n) for r, n in refusals)
     )
-    totals = (
-        ("transfers_sent_total", "KV transfers acknowledged", counters.transfers_sent),
-        ("transfers_send_failed_total", "KV sends that failed", counters.transfers_send_failed),
-        ("transfers_received_total", "KV transfers verified", counters.transfers_received),
-        (
-            "transfer_attempts_refused_total",
-            "incoming transfer attempts refused",
-            counters.transfer_attempts_refused,
-        ),
-        (
-            "reservations_cancelled_total",
-            "reservations freed without decoding",
-            counters.reservations_cancelled,
-        ),
-        ("lease_expiries_total", "leases ended by expiry", counters.lease_expiries),
+    lines += render_family(
+        m.WORKER_SKEW_REFUSALS,
+        (({**w, "reason": SKEW_REASONS[r]}, n) for r, n in refusals if r in SKEW_REASONS),
     )
-    parts = [_line(n, "gauge", h, v, worker_id) for n, h, v in gauges]
-    parts += [_line(n, "counter", h, v, worker_id) for n, h, v in totals]
-    return "".join(parts)
+    lines += render_family(
+        m.WORKER_LEASE_EXPIRIES_BY_REASON,
+        (({**w, "reason": k}, n) for k, n in sorted(counters.lease_expiries_by_kind.items())),
+    )
+    if sends is not None:
+        for spec, hist in (
+            (m.WORKER_KV_SEND_SECONDS, sends.seconds),
+            (m.WORKER_KV_SEND_BYTES, sends.num_bytes),
+            (m.WORKER_KV_SEND_THROUGHPUT, sends.gigabytes_per_second),
+        ):
+            lines += render_histograms(spec, [(w, hist)])
+    return "\n".join(lines) + "\n"

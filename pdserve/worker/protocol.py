@@ -12,6 +12,7 @@ Endpoints (role in brackets):
     POST /generate  GenerateRequest -> stream of TokenEvent            [both]
     POST /release   ReleaseRequest  -> ReleaseResult                   [all]
     GET  /metrics                   Prometheus text                    [all]
+    GET  /debug/requests/{id}       WorkerEvents                       [all]
 Errors are `ErrorBody` with an HTTP status: 400 bad input, 404 unknown request, 409 wrong role
 or state, 503 no capacity (with Retry-After).
 """
@@ -90,6 +91,12 @@ class WorkerHealth(_Model):
     num_running: int
     num_waiting: int
     num_active_leases: int
+    # The worker's monotonic clock when the call arrived and as it answered, and its wall
+    # clock: the router aligns the worker's timeline events with its own from them (NTP-style,
+    # `observability.clock_sync`). None from workers that predate them.
+    request_monotonic_ns: int | None = None
+    monotonic_ns: int | None = None
+    wall_time_s: float | None = None
 
 
 class ReserveRequest(_Model):
@@ -176,6 +183,30 @@ class ReleaseRequest(_Model):
 class ReleaseResult(_Model):
     request_id: str
     num_freed_blocks: int
+
+
+class WorkerEventModel(_Model):
+    """One timeline event of a worker (see `observability.timeline_log.TimelineEvent`)."""
+
+    request_id: str
+    event: str
+    # The worker's monotonic clock, nanoseconds; wall clock, seconds since the epoch.
+    monotonic_ns: int
+    wall_time_s: float
+    detail: str = ""
+
+
+class WorkerEvents(_Model):
+    """GET /debug/requests/{id}: the worker's events for a router request id (suffixes
+    `.rN`, `.mN` included), with its clocks read as it answered."""
+
+    worker_id: str
+    role: Role
+    # The worker's monotonic clock when the call arrived and as it answered (a clock echo).
+    request_monotonic_ns: int
+    monotonic_ns: int
+    wall_time_s: float
+    events: list[WorkerEventModel]
 
 
 class ErrorBody(_Model):

@@ -23,6 +23,8 @@ from aiohttp import web
 from pdserve.engine.engine import Engine
 from pdserve.faults import FaultInjector, parse_rules
 from pdserve.membership import Member, Registration, open_registration
+from pdserve.observability.timeline_log import EventRing
+from pdserve.transfer.sender import SendPolicy
 from pdserve.worker.app import WorkerAPI
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.engine_loop import EngineLoop
@@ -58,6 +60,7 @@ class Worker:
             self.faults = FaultInjector(parse_rules(config.faults), config.fault_seed)
         self._runner: web.AppRunner | None = None
         self.registration: Registration | None = None
+        self.events = EventRing(config.worker_id, config.timeline_ring)
 
     async def start(self) -> str:
         """Bring every part up; returns the HTTP URL once it listens."""
@@ -65,12 +68,24 @@ class Worker:
         info = await self.engine.start()
         self.leases.start()
         if c.serves_decode:
-            self.inbox = KVInbox(self.engine, info, self.leases, faults=self.faults)
-            await self.inbox.start(c.host, c.kv_port)
+            self.inbox = KVInbox(
+                self.engine, info, self.leases, faults=self.faults, events=self.events
+            )
+            await self.inbox.start(c.host, c.kv_port, c.advertise_host)
         if c.serves_prefill:
-            self.outbox = KVOutbox(self.engine, info, self.leases, faults=self.faults)
+            policy = SendPolicy(chunk_timeout_s=c.transfer_chunk_timeout_s)
+            self.outbox = KVOutbox(
+                self.engine, info, self.leases, policy, faults=self.faults, events=self.events
+            )
         api = WorkerAPI(
-            c, info, self.engine, self.leases, self.inbox, self.outbox, faults=self.faults
+            c,
+            info,
+            self.engine,
+            self.leases,
+            self.inbox,
+            self.outbox,
+            faults=self.faults,
+            events=self.events,
         )
         # handler_cancellation: a client that disconnects cancels its handler, whose cleanup
         # aborts the request in the engine.

@@ -17,6 +17,11 @@ class StubClient:
     def __init__(self, up: dict[str, str]) -> None:
         self.up = up
         self.polled: list[str] = []
+        self.abandoned: list[str] = []
+
+    def abandon(self, url: str) -> int:
+        self.abandoned.append(url)
+        return 0
 
     async def health(self, url: str) -> WorkerHealth:
         self.polled.append(url)
@@ -76,6 +81,7 @@ def test_joins_are_numbered_after_everyone_seen_and_polled_at_once() -> None:
         assert views(pool) == [("http://w1", 0, True), ("http://w2", 1, True)]
         membership.set([m(2), m(3)])  # w1 leaves, w3 joins
         assert views(pool) == [("http://w2", 1, True), ("http://w3", 2, False)]
+        assert client.abandoned == ["http://w1"]  # its open streams are cut at once
         await asyncio.sleep(0.01)  # the join poll, not the 60 s interval
         assert views(pool) == [("http://w2", 1, True), ("http://w3", 2, True)]
         membership.set([m(2), m(3), m(1)])  # w1 back: a new index, after w3

@@ -43,3 +43,29 @@ def test_waterfall_has_a_row_per_transition_with_offsets_and_durations() -> None
 def test_an_empty_history_says_so() -> None:
     view = {"request_id": "x", "mode": "disagg", "state": "RECEIVED", "history": []}
     assert render_waterfall(view) == "request x: no transitions"
+
+
+def test_worker_events_follow_as_a_second_table_on_the_router_clock() -> None:
+    from pdserve.observability.trace import render_merged
+
+    view = _view()
+    assert render_merged(view) == ""  # router transitions only: nothing more to show
+    ms = 1_000_000
+    view["merged"] = [
+        {"process": "router", "event": "PREFILLING", "router_ns": 2 * ms, "detail": "http://p"},
+        {"process": "prefill-1", "event": "prefill_start", "router_ns": 2 * ms + 250_000,
+         "detail": ""},
+        {"process": "router", "event": "PREFILLED", "router_ns": 12 * ms, "detail": ""},
+    ]  # fmt: skip
+    view["clocks"] = [
+        {"worker": "http://p", "worker_id": "prefill-1", "offset_ns": -1500, "error_ns": 250_000,
+         "num_events": 1, "error": None},
+        {"worker": "http://x", "worker_id": None, "offset_ns": None, "error_ns": None,
+         "num_events": 0, "error": "refused"},
+    ]  # fmt: skip
+    lines = render_merged(view).splitlines()
+    assert lines[0].split() == ["at", "ms", "process", "event", "detail"]
+    assert lines[2].split() == ["2.25", "prefill-1", "prefill_start"]
+    assert lines[4] == "clock prefill-1: offset -1.5 us ± 250.0 us, 1 event(s)"
+    assert lines[5] == "clock http://x: no answer (refused)"
+    assert render_waterfall(view).endswith(lines[-1])

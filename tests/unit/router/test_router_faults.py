@@ -1,5 +1,6 @@
-"""The router's fault sites against fake workers: a close reads as a dead connection to the
-worker concerned and the flow's own recovery runs; a bad rule fails the config, named."""
+"""The router's fault sites and readiness against fake workers: a close reads as a dead
+connection to the worker concerned and the flow's own recovery runs; a bad rule fails the
+config, named; /ready is 503 while no worker can take a request."""
 
 from __future__ import annotations
 
@@ -61,7 +62,20 @@ def test_close_before_reserve_moves_to_the_next_decode_worker(
 
 
 def test_a_bad_router_fault_rule_is_a_config_error_naming_it(tiny_model_path: Path) -> None:
-    with pytest.raises(ConfigError, match="unknown site 'router.nowhere'"):
+    with pytest.raises(ConfigError, match=r"unknown site .router\.nowhere."):
         RouterConfig(
             workers=("http://127.0.0.1:1",), model=tiny_model_path, faults=("router.nowhere:crash",)
         )
+
+
+def test_ready_is_503_until_a_worker_can_take_a_request(tiny_model_path: Path) -> None:
+    async def body() -> None:
+        async with router(tiny_model_path, [FakeWorker("prefill", [1])]) as client:
+            resp = await client.get("/ready")
+            assert resp.status == 503 and await resp.json() == {"ready": False, "mode": "disagg"}
+        workers = [FakeWorker("prefill", [1]), FakeWorker("both", [1])]
+        async with router(tiny_model_path, workers) as client:
+            resp = await client.get("/ready")
+            assert resp.status == 200 and (await resp.json())["ready"] is True
+
+    run(body)

@@ -1,0 +1,135 @@
+"""`pdserve top`: a live terminal view of a cluster, refreshed every `--interval` seconds.
+
+Each frame is `pdserve status` (workers, roles, groups, blocks, load, breaker, mode) followed
+by the router's request figures from its /metrics: totals, rates since the previous frame,
+TTFT / handoff-gap / TPOT quantiles (bucket upper bounds, so coarse), retries, fallbacks and
+migrations. Plain ANSI: the screen is cleared and redrawn (`--once` prints one frame without
+escape codes, for scripts and tests). Rendering a frame is pure; `run_top` does the I/O.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import TextIO
+from urllib.error import URLError
+from urllib.request import urlopen
+
+from pdserve.observability import metric_names as m
+from pdserve.observability.exposition import Sample, parse, total
+from pdserve.status import ClusterStatus, StatusError, collect_status, render_table
+
+CLEAR = "\x1b[H\x1b[2J"
+
+
+def histogram_quantile(samples: Sequence[Sample], name: str, q: float) -> float | None:
+    """The upper bound of the bucket holding quantile `q` of histogram `name` (None: empty)."""
+    buckets = sorted(
+        (math.inf if s.label("le") == "+Inf" else float(s.label("le") or "nan"), s.value)
+        for s in samples
+        if s.name == f"{name}_bucket"
+    )
+    count = buckets[-1][1] if buckets else 0.0
+    if count <= 0:
+        return None
+    for bound, cumulative in buckets:
+        if cumulative >= q * count:
+            return bound
+    return math.inf
+
+
+def _ms(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return ">max" if value == math.inf else f"≤{value * 1e3:g}ms"
+
+
+def render_metrics(
+    samples: Sequence[Sample], previous: Sequence[Sample] | None, interval_s: float
+) -> list[str]:
+    """The request lines of a frame from the router's parsed /metrics."""
+    requests = m.ROUTER_REQUESTS.name
+    ok = total(samples, requests, status="ok")
+    done = total(samples, requests)
+    rate = "-"
+    if previous is not None and interval_s > 0:
+        rate = f"{(done - total(previous, requests)) / interval_s:.1f}/s"
+    lines = [f"requests {done:g} (ok {ok:g}, other {done - ok:g})  rate {rate}"]
+    for label, spec in (
+        ("ttft", m.ROUTER_TTFT),
+        ("handoff gap", m.ROUTER_HANDOFF_GAP),
+        ("tpot", m.ROUTER_TPOT),
+        ("transfer", m.ROUTER_TRANSFER),
+    ):
+        p50 = histogram_quantile(samples, spec.name, 0.5)
+        p95 = histogram_quantile(samples, spec.name, 0.95)
+        count = total(samples, f"{spec.name}_count")
+        lines.append(f"{label:<12} p50 {_ms(p50):>10}  p95 {_ms(p95):>10}  n {count:g}")
+
+    def by_reason(spec: m.MetricSpec) -> str:
+        parts = [
+            f"{s.label('reason')}={s.value:g}" for s in samples if s.name == spec.name and s.value
+        ]
+        return ", ".join(parts) or "0"
+
+    lines.append(
+        f"retries {by_reason(m.ROUTER_RETRIES)}  fallbacks {by_reason(m.ROUTER_FALLBACKS)}"
+        f"  migrations {total(samples, m.ROUTER_MIGRATIONS.name):g}"
+    )
+    return lines
+
+
+def render_frame(
+    status: ClusterStatus,
+    samples: Sequence[Sample],
+    previous: Sequence[Sample] | None,
+    interval_s: float,
+    now: str,
+) -> str:
+    """One whole frame (no escape codes)."""
+    return "\n".join(
+        [
+            f"pdserve top  {now}  every {interval_s:g} s",
+            render_table(status),
+            "",
+            *render_metrics(samples, previous, interval_s),
+        ]
+    )
+
+
+def fetch_metrics(router_url: str, timeout_s: float = 3.0) -> list[Sample]:
+    """The router's /metrics, parsed."""
+    try:
+        with urlopen(f"{router_url}/metrics", timeout=timeout_s) as resp:
+            return parse(resp.read().decode())
+    except (URLError, OSError, ValueError) as exc:
+        raise StatusError(f"router {router_url} did not answer /metrics: {exc}") from None
+
+
+def run_top(
+    router_url: str,
+    interval_s: float,
+    once: bool,
+    out: TextIO = sys.stdout,
+    sleep: Callable[[float], None] = time.sleep,
+    max_frames: int | None = None,
+) -> int:
+    """Draw frames until interrupted (or one frame with `once`); returns the exit status."""
+    previous: list[Sample] | None = None
+    frames = 0
+    try:
+        while True:
+            status = collect_status(router_url)
+            samples = fetch_metrics(router_url)
+            frame = render_frame(status, samples, previous, interval_s, time.strftime("%H:%M:%S"))
+            out.write(frame + "\n" if once else CLEAR + frame + "\n")
+            out.flush()
+            frames += 1
+            if once or (max_frames is not None and frames >= max_frames):
+                return 0
+            previous = samples
+            sleep(interval_s)
+    except KeyboardInterrupt:
+        return 0

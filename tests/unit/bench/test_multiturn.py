@@ -1,0 +1,38 @@
+"""The multi-turn benchmark's arithmetic: hit rates, TTFT averages, the table's rows."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.bench.multiturn import RoutingResult, TurnResult, render_table
+
+
+def turn(n: int, ttft: float, prompt: int, prefilled: int, reusable: int, seen: int) -> TurnResult:
+    return TurnResult(
+        turn=n,
+        ttft_ms_mean=ttft,
+        ttft_ms_max=ttft,
+        num_prompt_tokens=prompt,
+        num_prefilled_tokens=prefilled,
+        num_reusable_tokens=reusable,
+        num_seen_tokens=seen,
+        kv_bytes=prefilled * 10,
+        num_new_tokens=prompt - reusable,
+    )
+
+
+def test_hit_rates_skip_turn_one_and_count_reused_over_reusable() -> None:
+    r = RoutingResult("x", [turn(1, 9.0, 100, 100, 0, 0), turn(2, 3.0, 148, 52, 96, 115)])
+    r.turns.append(turn(3, 1.0, 196, 100, 144, 163))
+    # Reused: (148 - 52) + (196 - 100) = 192; block-reusable 240; seen 278.
+    assert r.hit_rate == pytest.approx(192 / 240)
+    assert r.token_hit_rate == pytest.approx(192 / 278)
+    assert r.ttft_ms_from(2) == pytest.approx(2.0)
+    assert RoutingResult("empty", [turn(1, 1.0, 10, 10, 0, 0)]).hit_rate == 0.0
+
+
+def test_table_has_one_row_per_turn_with_bytes_per_new_token() -> None:
+    r = RoutingResult("affinity", [turn(1, 9.0, 100, 100, 0, 0), turn(2, 3.0, 148, 52, 96, 115)])
+    rows = render_table([r]).splitlines()
+    assert len(rows) == 2 + 2
+    assert rows[3].split() == ["affinity", "2", "3.0", "52", "96", "520", "52", "10"]

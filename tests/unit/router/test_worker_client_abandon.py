@@ -1,0 +1,53 @@
+"""`WorkerClient.abandon`: a worker that left the pool has its open token streams cut at once,
+so the flows fail over instead of waiting out the stream read timeout of a silent worker."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from pdserve.errors import WorkerUnreachable
+from pdserve.router.worker_client import ClientTimeouts, WorkerClient
+from pdserve.worker.protocol import DecodeRequest, TokenEvent
+
+
+async def _one_token_then_silence(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse()
+    await resp.prepare(request)
+    await resp.write(TokenEvent(token_ids=[7]).model_dump_json().encode() + b"\n")
+    await asyncio.Event().wait()  # a partitioned worker: the connection stays, nothing comes
+    return resp
+
+
+def test_abandon_cuts_a_silent_stream_and_the_read_fails_over() -> None:
+    async def body() -> None:
+        app = web.Application()
+        app.router.add_post("/decode", _one_token_then_silence)
+        server = TestServer(app)
+        await server.start_server()
+        url = str(server.make_url("")).rstrip("/")
+        async with aiohttp.ClientSession() as session:
+            client = WorkerClient(session, ClientTimeouts(stream_read_s=60.0))
+            stream = client.decode(url, DecodeRequest(request_id="r", first_token_id=1))
+            first = await anext(stream)
+            assert first.token_ids == [7]
+            assert client.abandon("http://elsewhere") == 0
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            pending = asyncio.ensure_future(anext(stream))
+            await asyncio.sleep(0.05)
+            assert client.abandon(url) == 1
+            try:
+                await asyncio.wait_for(pending, 5)
+                raise AssertionError("a cut stream yielded another event")
+            except (WorkerUnreachable, StopAsyncIteration):
+                pass  # either ends the flow's read; both lead to failover
+            assert loop.time() - start < 5  # not the 60 s read timeout
+            assert client.abandon(url) == 0  # forgotten once cut
+            await stream.aclose()
+        await server.close()
+
+    asyncio.run(asyncio.wait_for(body(), 30))

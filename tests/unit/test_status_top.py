@@ -1,0 +1,91 @@
+"""`pdserve status` grouping and table, `pdserve top` frames: pure rendering, exact output."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+
+from pdserve import top
+from pdserve.observability.exposition import parse
+from pdserve.router.metrics import RouterMetrics
+from pdserve.status import ClusterStatus, WorkerRow, fingerprint_groups, render_table
+from pdserve.top import histogram_quantile, render_metrics
+
+
+def _rows() -> tuple[WorkerRow, ...]:
+    return (
+        WorkerRow("http://a", True, "prefill", 11, "p-1", "aaaa" * 4, 64, 60, 0, 0, 0),
+        WorkerRow("http://b", True, "both", 12, "d-1", "aaaa" * 4, 64, 50, 4, 1, 2),
+        WorkerRow("http://c", True, "both", 13, "d-2", "bbbb" * 4, 64, 64, 0, 0, 0),
+        WorkerRow("http://d", False, error="URLError: refused"),
+    )
+
+
+def test_groups_put_the_largest_first_and_mark_the_router_s_group() -> None:
+    groups = fingerprint_groups(_rows(), "aaaa" * 4)
+    assert [(g.name, g.worker_ids, g.compatible) for g in groups] == [
+        ("A", ("p-1", "d-1"), True),
+        ("B", ("d-2",), False),
+    ]
+
+
+def test_the_table_shows_groups_breaker_mode_and_down_workers() -> None:
+    rows = _rows()
+    status = ClusterStatus(
+        "http://r", 7, "ok", "disagg", "tiny", rows, "colocated", "open", 0.6, "aaaa" * 4,
+        fingerprint_groups(rows, "aaaa" * 4),
+    )  # fmt: skip
+    lines = render_table(status).splitlines()
+    assert lines[0] == (
+        "router http://r  pid 7  status ok  mode disagg  effective colocated  breaker open"
+        " (60% failed)  model tiny"
+    )
+    assert lines[1].split() == [
+        "worker", "role", "pid", "url", "grp", "fingerprint", "free/total", "pinned", "run",
+        "wait", "lease", "infl",
+    ]  # fmt: skip
+    assert lines[3].split() == ["d-1", "both", "12", "http://b", "-", "aaaaaaaaaaaa", "50/64",
+                                "4", "1", "2", "-", "-"]  # fmt: skip
+    assert lines[5].split()[:3] == ["?", "down", "http://d"]
+    assert lines[6] == "group A aaaaaaaaaaaa: 2 worker(s) p-1, d-1 (compatible)"
+    assert lines[7] == "group B bbbbbbbbbbbb: 1 worker(s) d-2 (not paired by the router)"
+
+
+def test_quantiles_come_from_the_bucket_bounds() -> None:
+    metrics = RouterMetrics()
+    for v in (0.004, 0.004, 0.2, 40.0):
+        metrics.ttft_s.observe(v)
+    samples = parse(metrics.render())
+    assert histogram_quantile(samples, "pdserve_router_ttft_seconds", 0.5) == 0.005
+    assert histogram_quantile(samples, "pdserve_router_ttft_seconds", 0.75) == 0.25
+    assert histogram_quantile(samples, "pdserve_router_ttft_seconds", 1.0) == math.inf
+    assert histogram_quantile(samples, "pdserve_router_tpot_seconds", 0.5) is None
+
+
+def test_the_metric_lines_show_rates_since_the_previous_frame() -> None:
+    before = RouterMetrics()
+    before.count_request("disagg", "ok")
+    after = RouterMetrics()
+    for status in ("ok", "ok", "ok", "error"):
+        after.count_request("disagg", status)
+    after.retries["reprefill"] += 2
+    after.ttft_s.observe(0.02)
+    lines = render_metrics(parse(after.render()), parse(before.render()), 2.0)
+    assert lines[0] == "requests 4 (ok 3, other 1)  rate 1.5/s"
+    assert lines[1].split() == ["ttft", "p50", "≤25ms", "p95", "≤25ms", "n", "1"]
+    assert lines[-1] == "retries reprefill=2  fallbacks 0  migrations 0"
+    assert render_metrics(parse(after.render()), None, 2.0)[0].endswith("rate -")
+
+
+def test_top_once_draws_one_frame_without_escape_codes(monkeypatch: pytest.MonkeyPatch) -> None:
+    status = ClusterStatus("http://r", 7, "ok", "disagg", "tiny", _rows())
+    monkeypatch.setattr(top, "collect_status", lambda url: status)
+    monkeypatch.setattr(top, "fetch_metrics", lambda url: parse(RouterMetrics().render()))
+    out = io.StringIO()
+    assert top.run_top("http://r", 1.0, once=True, out=out) == 0
+    assert "\x1b[" not in out.getvalue() and "router http://r" in out.getvalue()
+    live = io.StringIO()
+    assert top.run_top("http://r", 1.0, False, live, lambda s: None, max_frames=2) == 0
+    assert live.getvalue().count(top.CLEAR) == 2
