@@ -175,7 +175,7 @@ SCENARIOS: tuple[Scenario, ...] = (
             *("--breaker-failure-rate", "0.5", "--breaker-cooldown-s", "1"),
             *("--transfer-attempts", "1", "--max-reprefills", "0"),
         ),
-        # A failed handoff is known only when the decode side's KV wait (the lease) ends.
+        # Sequential phases paced by the breaker's cooldown: no concurrent baseline to compare.
         latency_judged=False,
         expect_breaker_cycle=True,
     ),

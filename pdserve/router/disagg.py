@@ -414,6 +414,7 @@ class DisaggFlow:
                     reservation=leg.reservation,
                     lease_ttl_s=self._lease_ttl_s,
                     transfer_attempts=self._recovery.send_attempts,
+                    decode_url=leg.decode_url,
                 )
                 with self._pool.inflight(leg.prefill_url):
                     result = await self._client.prefill(leg.prefill_url, prefill)

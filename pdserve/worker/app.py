@@ -45,6 +45,8 @@ from pdserve.worker.protocol import (
     FaultState,
     GenerateRequest,
     InjectedFaultModel,
+    KVAbortRequest,
+    KVAbortResult,
     PrefillRequest,
     PrefillResult,
     ReleaseRequest,
@@ -133,6 +135,7 @@ class WorkerAPI:
                 web.post("/decode", self.decode),
                 web.post("/generate", self.generate),
                 web.post("/release", self.release),
+                web.post("/kv_abort", self.kv_abort),
                 web.get("/metrics", self.metrics),
                 web.get("/debug/requests/{request_id}", self.debug_request),
             ]
@@ -251,7 +254,9 @@ class WorkerAPI:
         body = await _parse(request, PrefillRequest)
         rid = body.request_id
         params = body.sampling.to_params()
-        destination = Destination.parse(body.reservation) if body.reservation else None
+        destination = (
+            Destination.parse(body.reservation, body.decode_url) if body.reservation else None
+        )
         if self.faults is not None and (rule := self.faults.fire(FaultSite.WORKER_PREFILL)):
             await perform(rule)
         start_ns = self.events.record(rid, "prefill_start").monotonic_ns
@@ -354,6 +359,13 @@ class WorkerAPI:
                 await self.engine.abort(body.request_id)
         await response.write_eof()
         return response
+
+    async def kv_abort(self, request: web.Request) -> web.Response:
+        """POST /kv_abort: the sender gave this reservation's KV up; cancel it now."""
+        inbox = self._need_inbox("/kv_abort")
+        body = await _parse(request, KVAbortRequest)
+        cancelled = await inbox.abort(body)
+        return _json(KVAbortResult(request_id=body.request_id, cancelled=cancelled))
 
     async def release(self, request: web.Request) -> web.Response:
         """POST /release: free whatever this worker holds for the request (idempotent)."""

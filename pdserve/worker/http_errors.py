@@ -25,6 +25,7 @@ from pdserve.errors import (
     PdserveError,
     PromptTooLong,
     RequestNotFound,
+    Unauthorized,
     WrongRole,
 )
 from pdserve.worker.protocol import ErrorBody
@@ -44,6 +45,7 @@ _STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (DuplicateRequest, 409),
     (KVNotReady, 409),
     (LeaseError, 409),
+    (Unauthorized, 403),
     (PdserveError, 500),
 )
 RETRY_AFTER_S = 1

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import os
 from dataclasses import dataclass, field
 
-from pdserve.errors import KVNotReady, RequestNotFound
+from pdserve.errors import KVNotReady, RequestNotFound, Unauthorized
 from pdserve.faults import FaultInjector, FaultKind, FaultSite, perform
 from pdserve.observability.timeline_log import EventRing
 from pdserve.transfer.messages import KVLayout, token_digest
@@ -35,7 +36,7 @@ from pdserve.transfer.sender import LeaseHandle
 from pdserve.transfer.tcp import TcpServer, serve_tcp
 from pdserve.worker.engine_loop import EngineInfo, EngineLoop
 from pdserve.worker.lease_keeper import LeaseKeeper
-from pdserve.worker.protocol import Reservation, ReserveRequest
+from pdserve.worker.protocol import KVAbortRequest, Reservation, ReserveRequest
 
 
 @dataclass(slots=True)
@@ -43,6 +44,7 @@ class _Pending:
     request_id: str
     transfer_id: bytes
     lease: LeaseHandle
+    capability_token: bytes
     # Blocks allocated for the request (the reserved-blocks gauge sums them).
     num_blocks: int
     # Set once: verified, or cancelled (then `cancel_reason` says why).
@@ -120,7 +122,7 @@ class KVInbox:
                 f"reservation {rid}",
                 lambda: self._spawn_cancel(rid, f"lease expired after {body.lease_ttl_s}s"),
             )
-            pending = _Pending(rid, transfer_id, lease, len(block_ids))
+            pending = _Pending(rid, transfer_id, lease, token, len(block_ids))
             self._pending[rid] = pending
             self._record(rid, "reserved", f"blocks={len(block_ids)} cached_tokens={num_cached}")
             if end > skip:
@@ -179,6 +181,28 @@ class KVInbox:
         self._pending.pop(request_id, None)
         self.receiver.forget(pending.transfer_id)
         self._leases.drop(pending.lease)
+
+    async def abort(self, body: KVAbortRequest) -> bool:
+        """The sender gave up: cancel the reservation now (its /decode fails at once).
+
+        Only the holder of the reservation's transfer id and capability token may do it;
+        False when no such reservation is pending (verified, released or expired already).
+        """
+        pending = self._pending.get(body.request_id)
+        if pending is None or pending.verified:
+            return False
+        try:
+            transfer_id = bytes.fromhex(body.transfer_id)
+            token = bytes.fromhex(body.capability_token)
+        except ValueError:
+            raise Unauthorized(f"kv_abort of {body.request_id}: ids are not hex") from None
+        if not (
+            hmac.compare_digest(transfer_id, pending.transfer_id)
+            and hmac.compare_digest(token, pending.capability_token)
+        ):
+            raise Unauthorized(f"kv_abort of {body.request_id}: not this reservation's sender")
+        await self.cancel(body.request_id, f"sender gave up: {body.reason}")
+        return True
 
     async def cancel(self, request_id: str, reason: str) -> int:
         """Drop a pending reservation and free its blocks; returns blocks freed (0 if none)."""

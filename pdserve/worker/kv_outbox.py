@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from pdserve.errors import ConfigError
@@ -45,6 +46,10 @@ from pdserve.worker.protocol import Reservation
 logger = logging.getLogger(__name__)
 
 
+# (request id, destination, reason): tell the decode side its KV will not come.
+GiveUpNotice = Callable[[str, "Destination", str], Awaitable[None]]
+
+
 @dataclass(frozen=True, slots=True)
 class Destination:
     """A reservation, parsed and checked before any prefill is spent on it."""
@@ -53,9 +58,12 @@ class Destination:
     capability_token: bytes
     address: Address
     num_cached_tokens: int
+    # The decode worker's control URL, told when the send is given up; None: nobody is told
+    # (its reservation then lapses with its lease).
+    decode_url: str | None = None
 
     @classmethod
-    def parse(cls, reservation: Reservation) -> Destination:
+    def parse(cls, reservation: Reservation, decode_url: str | None = None) -> Destination:
         """Raise ConfigError naming the bad reservation field."""
         fields: dict[str, bytes] = {}
         for name in ("transfer_id", "capability_token"):
@@ -77,6 +85,7 @@ class Destination:
             fields["capability_token"],
             (host, int(port)),
             reservation.num_cached_tokens,
+            decode_url,
         )
 
 
@@ -90,6 +99,7 @@ class KVOutbox:
         leases: LeaseKeeper,
         policy: SendPolicy | None = None,
         faults: FaultInjector | None = None,
+        give_up: GiveUpNotice | None = None,
         events: EventRing | None = None,
     ) -> None:
         self._engine = engine
@@ -98,6 +108,8 @@ class KVOutbox:
         self._policy = policy or SendPolicy()
         # The `transfer.send` site: every KV stream is wrapped only when faults are on.
         self._faults = faults
+        # Tells the decode side a send was given up (best effort; its lease is the backstop).
+        self._give_up = give_up
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.num_sent = 0
         self.num_failed = 0
@@ -225,6 +237,8 @@ class KVOutbox:
             logger.warning(
                 "KV send of request %s failed: %s: %s", request_id, type(exc).__name__, exc
             )
+            if self._give_up is not None and destination.decode_url is not None:
+                await self._give_up(request_id, destination, f"{type(exc).__name__}: {exc}")
         finally:
             self._leases.drop(lease)
             with contextlib.suppress(RuntimeError):

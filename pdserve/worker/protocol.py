@@ -11,6 +11,7 @@ Endpoints (role in brackets):
     POST /decode    DecodeRequest   -> stream of TokenEvent            [decode, both]
     POST /generate  GenerateRequest -> stream of TokenEvent            [both]
     POST /release   ReleaseRequest  -> ReleaseResult                   [all]
+    POST /kv_abort  KVAbortRequest  -> KVAbortResult                   [decode, both]
     GET  /metrics                   Prometheus text                    [all]
     GET  /debug/requests/{id}       WorkerEvents                       [all]
 Errors are `ErrorBody` with an HTTP status: 400 bad input, 404 unknown request, 409 wrong role
@@ -132,6 +133,25 @@ class PrefillRequest(_Model):
     lease_ttl_s: float = Field(default=30.0, gt=0)
     # Sends of the KV (first try included) before the prefill worker gives up on it.
     transfer_attempts: int = Field(default=4, ge=1, le=100)
+    # The decode worker's control URL: told at once (POST /kv_abort) when the send is given
+    # up, so its /decode fails now instead of when the reservation's lease ends.
+    decode_url: str | None = None
+
+
+class KVAbortRequest(_Model):
+    """POST /kv_abort: the prefill side gave up sending this reservation's KV."""
+
+    request_id: str
+    # The reservation's, proving the caller is the sender it was handed to.
+    transfer_id: str
+    capability_token: str
+    reason: str
+
+
+class KVAbortResult(_Model):
+    request_id: str
+    # False: no such pending reservation (already verified, released or expired).
+    cancelled: bool
 
 
 class PrefillResult(_Model):

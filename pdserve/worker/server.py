@@ -18,6 +18,7 @@ import json
 import os
 from pathlib import Path
 
+import aiohttp
 from aiohttp import web
 
 from pdserve.engine.engine import Engine
@@ -28,6 +29,7 @@ from pdserve.transfer.sender import SendPolicy
 from pdserve.worker.app import WorkerAPI
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.engine_loop import EngineLoop
+from pdserve.worker.give_up_notice import http_give_up_notice
 from pdserve.worker.kv_inbox import KVInbox
 from pdserve.worker.kv_outbox import KVOutbox
 from pdserve.worker.lease_keeper import LeaseKeeper
@@ -59,6 +61,7 @@ class Worker:
         if config.faults or config.enable_fault_admin:
             self.faults = FaultInjector(parse_rules(config.faults), config.fault_seed)
         self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
         self.registration: Registration | None = None
         self.events = EventRing(config.worker_id, config.timeline_ring)
 
@@ -74,8 +77,16 @@ class Worker:
             await self.inbox.start(c.host, c.kv_port, c.advertise_host)
         if c.serves_prefill:
             policy = SendPolicy(chunk_timeout_s=c.transfer_chunk_timeout_s)
+            # For the give-up notices to decode workers (the only calls a worker makes).
+            self._session = aiohttp.ClientSession()
             self.outbox = KVOutbox(
-                self.engine, info, self.leases, policy, faults=self.faults, events=self.events
+                self.engine,
+                info,
+                self.leases,
+                policy,
+                faults=self.faults,
+                events=self.events,
+                give_up=http_give_up_notice(self._session),
             )
         api = WorkerAPI(
             c,
@@ -137,6 +148,9 @@ class Worker:
             self._runner = None
         if self.outbox is not None:
             await self.outbox.aclose()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
         if self.inbox is not None:
             await self.inbox.aclose()
         await self.leases.aclose()

@@ -27,6 +27,7 @@ from pdserve.worker.protocol import (
     DecodeRequest,
     FaultPlanBody,
     FaultState,
+    KVAbortRequest,
     PrefillRequest,
     PrefillResult,
     Reservation,
@@ -356,3 +357,52 @@ def test_admin_state_is_json_of_the_plan(workers: Workers) -> None:
         "hits": {},
     }
     assert cleared == {"rules": [], "seed": 0, "injected": [], "hits": {}}
+
+
+def test_a_send_given_up_fails_the_decode_at_once_not_at_lease_end(workers: Workers) -> None:
+    """Every KV send closed and one attempt allowed: the prefill worker tells the decode worker
+    (POST /kv_abort, authenticated by the reservation's token), whose /decode then fails with
+    the reason long before the reservation's 20 s lease would have ended it."""
+
+    async def body(session: aiohttp.ClientSession) -> tuple[float, list[TokenEvent]]:
+        await set_faults(session, workers.prefill, "transfer.send:close:times=0")
+        prompt = [random.Random(9).randrange(3, 2048) for _ in range(40)]
+        reserve = ReserveRequest(
+            request_id="abandoned", prompt_token_ids=prompt, sampling=GREEDY, lease_ttl_s=20
+        )
+        status, answer = await post(session, f"{workers.decode.url}/reserve", reserve)
+        assert status == 200, answer
+        reservation = Reservation.model_validate(answer)
+        # A forged notice (right request, wrong token) is refused and cancels nothing.
+        forged = KVAbortRequest(
+            request_id="abandoned",
+            transfer_id=reservation.transfer_id,
+            capability_token="00" * 16,
+            reason="forged",
+        )
+        status, answer = await post(session, f"{workers.decode.url}/kv_abort", forged)
+        assert status == 403 and answer["type"] == "Unauthorized", answer
+        prefill = PrefillRequest(
+            request_id="abandoned",
+            prompt_token_ids=prompt,
+            sampling=GREEDY,
+            reservation=reservation,
+            lease_ttl_s=20,
+            transfer_attempts=1,
+            decode_url=workers.decode.url,
+        )
+        start = asyncio.get_running_loop().time()
+        status, answer = await post(session, f"{workers.prefill.url}/prefill", prefill)
+        assert status == 200, answer
+        decode = DecodeRequest(request_id="abandoned", first_token_id=1, kv_timeout_s=20)
+        async with session.post(f"{workers.decode.url}/decode", data=decode.model_dump_json()) as r:
+            events, _ = await read_events(r)
+        elapsed = asyncio.get_running_loop().time() - start
+        await set_faults(session, workers.prefill)
+        await until_idle(session, workers.prefill, workers.decode)
+        return elapsed, events
+
+    elapsed, events = run(body)
+    assert events and events[-1].finish_reason == "error"
+    assert "sender gave up" in (events[-1].error or ""), events[-1]
+    assert elapsed < 10, f"the decode side learned after {elapsed:.1f} s (lease: 20 s)"
