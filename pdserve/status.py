@@ -61,6 +61,9 @@ class FingerprintGroup:
     worker_ids: tuple[str, ...]
     # True for the group the router pairs prefill and decode workers in.
     compatible: bool
+    # Fingerprint fields on which this group differs from the compatible one, as the router
+    # reports them ("field: value != compatible_value"); empty for the compatible group.
+    differs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +81,8 @@ class ClusterStatus:
     breaker_failure_rate: float | None = None
     compatible_digest: str | None = None
     groups: tuple[FingerprintGroup, ...] = ()
+    # Why the router is degraded (e.g. pools whose fingerprints cannot pair), as it says.
+    problems: tuple[str, ...] = ()
 
 
 def _get_json(url: str, timeout_s: float) -> dict[str, Any]:
@@ -100,16 +105,25 @@ def find_router_url(url: str | None, state_file: Path | None = None) -> str:
 
 
 def fingerprint_groups(
-    rows: tuple[WorkerRow, ...], compatible_digest: str | None
+    rows: tuple[WorkerRow, ...],
+    compatible_digest: str | None,
+    differs: dict[str, tuple[str, ...]] | None = None,
 ) -> tuple[FingerprintGroup, ...]:
-    """Workers that answered, grouped by digest: largest group first (ties: digest order)."""
+    """Workers that answered, grouped by digest: largest group first (ties: digest order);
+    `differs` adds the router's differing fields per digest."""
     members: dict[str, list[str]] = {}
     for row in rows:
         if row.up and row.fingerprint is not None:
             members.setdefault(row.fingerprint, []).append(row.worker_id or row.url)
     ordered = sorted(members.items(), key=lambda item: (-len(item[1]), item[0]))
     return tuple(
-        FingerprintGroup(chr(ord("A") + i), digest, tuple(ids), digest == compatible_digest)
+        FingerprintGroup(
+            chr(ord("A") + i),
+            digest,
+            tuple(ids),
+            digest == compatible_digest,
+            (differs or {}).get(digest, ()),
+        )
         for i, (digest, ids) in enumerate(ordered)
     )
 
@@ -152,7 +166,7 @@ def collect_status(router_url: str, timeout_s: float = 3.0) -> ClusterStatus:
         )
     compatible = router.get("compatible_digest")
     compatible = compatible if isinstance(compatible, str) else None
-    groups = fingerprint_groups(tuple(rows), compatible)
+    groups = fingerprint_groups(tuple(rows), compatible, _router_differs(router))
     letter = {g.digest: g.name for g in groups}
     rows = [
         WorkerRow(**{**asdict(r), "group": letter.get(r.fingerprint or "")}) if r.up else r
@@ -174,7 +188,21 @@ def collect_status(router_url: str, timeout_s: float = 3.0) -> ClusterStatus:
         breaker_failure_rate=float(rate) if isinstance(rate, int | float) else None,
         compatible_digest=compatible,
         groups=groups,
+        problems=tuple(str(p) for p in router.get("problems") or ()),
     )
+
+
+def _router_differs(router: dict[str, Any]) -> dict[str, tuple[str, ...]]:
+    """Differing fingerprint fields per digest from the router's `fingerprint_groups`."""
+    found: dict[str, tuple[str, ...]] = {}
+    for group in router.get("fingerprint_groups") or ():
+        if isinstance(group, dict) and isinstance(group.get("digest"), str):
+            found[group["digest"]] = tuple(
+                f"{d.get('field')}: {d.get('value')} != {d.get('compatible_value')}"
+                for d in group.get("differs") or ()
+                if isinstance(d, dict)
+            )
+    return found
 
 
 def _str_or_none(value: object) -> str | None:
@@ -220,5 +248,7 @@ def render_table(status: ClusterStatus) -> str:
         lines.append(
             f"group {g.name} {g.digest[:12]}: {len(g.worker_ids)} worker(s)"
             f" {', '.join(g.worker_ids)} ({mark})"
+            + (f"; differs: {'; '.join(g.differs)}" if g.differs else "")
         )
+    lines += [f"problem: {p}" for p in status.problems]
     return "\n".join(lines)

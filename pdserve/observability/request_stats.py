@@ -28,7 +28,9 @@ from pdserve.router.state import Transition
 
 # The RECEIVED detail of a request the breaker sent colocated (router/dispatcher.py).
 BREAKER_DETAIL = "colocated: KV-path circuit breaker open"
-_RESUME_FAILED = re.compile(r"^(migration|local prefill) \d+ failed")
+# `_resume` attempts: "{label} {n} failed: ..." with label "migration", "local prefill" or the
+# affinity path's "affinity: URL holds the prefix, local prefill of the suffix".
+_RESUME_FAILED = re.compile(r"^(migration|local prefill|affinity: .*) \d+ failed: ")
 
 
 class TimelineLike(Protocol):

@@ -33,13 +33,14 @@ def test_groups_put_the_largest_first_and_mark_the_router_s_group() -> None:
 
 def test_the_table_shows_groups_breaker_mode_and_down_workers() -> None:
     rows = _rows()
+    differs = {"bbbb" * 4: ("dtype: bfloat16 != float32",)}
     status = ClusterStatus(
-        "http://r", 7, "ok", "disagg", "tiny", rows, "colocated", "open", 0.6, "aaaa" * 4,
-        fingerprint_groups(rows, "aaaa" * 4),
+        "http://r", 7, "degraded", "disagg", "tiny", rows, "colocated", "open", 0.6, "aaaa" * 4,
+        fingerprint_groups(rows, "aaaa" * 4, differs), ("pool B cannot pair",),
     )  # fmt: skip
     lines = render_table(status).splitlines()
     assert lines[0] == (
-        "router http://r  pid 7  status ok  mode disagg  effective colocated  breaker open"
+        "router http://r  pid 7  status degraded  mode disagg  effective colocated  breaker open"
         " (60% failed)  model tiny"
     )
     assert lines[1].split() == [
@@ -50,7 +51,11 @@ def test_the_table_shows_groups_breaker_mode_and_down_workers() -> None:
                                 "4", "1", "2", "-", "-"]  # fmt: skip
     assert lines[5].split()[:3] == ["?", "down", "http://d"]
     assert lines[6] == "group A aaaaaaaaaaaa: 2 worker(s) p-1, d-1 (compatible)"
-    assert lines[7] == "group B bbbbbbbbbbbb: 1 worker(s) d-2 (not paired by the router)"
+    assert lines[7] == (
+        "group B bbbbbbbbbbbb: 1 worker(s) d-2 (not paired by the router);"
+        " differs: dtype: bfloat16 != float32"
+    )
+    assert lines[8] == "problem: pool B cannot pair"
 
 
 def test_quantiles_come_from_the_bucket_bounds() -> None:

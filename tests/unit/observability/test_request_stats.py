@@ -88,6 +88,11 @@ def test_a_breaker_fallback_and_a_local_prefill_are_fallbacks() -> None:
         ("prefill failed: x", "disagg", "prefill_failed"),
         ("migration 1 failed: x", "disagg", "resume_failed"),
         ("local prefill 2 failed: x", "disagg", "resume_failed"),
+        (
+            "affinity: http://d holds the prefix, local prefill of the suffix 1 failed: x",
+            "disagg",
+            "resume_failed",
+        ),
         ("worker http://d: 503 NoCapacity", "disagg", "reserve_refused"),
         ("worker http://w: 503 NoCapacity", "colocated", "worker_refused"),
     ],
