@@ -25,7 +25,6 @@ This module knows bytes and send counts only: no frames, no sessions.
 from __future__ import annotations
 
 import asyncio
-import enum
 import random
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -34,16 +33,10 @@ from pdserve.errors import PeerClosed
 from pdserve.faults import FaultInjector, FaultKind, FaultSite, crash
 from pdserve.transfer.stream import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream, byte_views
 
-
-class FaultAction(enum.Enum):
-    """What a fault does to one send; see the module docstring."""
-
-    DELAY = "delay"
-    DROP = "drop"
-    CORRUPT = "corrupt"
-    TRUNCATE = "truncate"
-    CLOSE = "close"
-    STALL = "stall"
+# One vocabulary with the process-wide fault sites (`pdserve.faults`); a send can suffer every
+# kind but crash, which belongs to a process, not to a send.
+FaultAction = FaultKind
+SEND_ACTIONS: tuple[FaultAction, ...] = tuple(k for k in FaultKind if k is not FaultKind.CRASH)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +56,7 @@ class FaultPlan:
     faults: tuple[Fault, ...] = ()
     # Chance that a send not listed in `faults` gets a fault drawn from `actions`.
     probability: float = 0.0
-    actions: tuple[FaultAction, ...] = tuple(FaultAction)
+    actions: tuple[FaultAction, ...] = SEND_ACTIONS
     seed: int = 0
     delay_s: float = 0.01
 
@@ -72,6 +65,11 @@ class FaultPlan:
             raise ValueError(f"FaultPlan: probability must be in [0, 1], got {self.probability}")
         if self.probability and not self.actions:
             raise ValueError("FaultPlan: probability > 0 needs at least one action")
+        bad = [
+            a for a in (*self.actions, *(f.action for f in self.faults)) if a not in SEND_ACTIONS
+        ]
+        if bad:
+            raise ValueError(f"FaultPlan: {bad[0].value} is not an action on a send")
 
     def fault_for(self, send_index: int, num_bytes: int) -> InjectedFault | None:
         """The fault for this send, with its byte offset resolved (deterministic per seed)."""
@@ -100,7 +98,25 @@ class InjectedFault:
     bit: int
 
 
-class FaultyStream(ByteStream):
+class _SendFaultStream(ByteStream):
+    """A stream whose sends may be damaged; receives and closing pass through to `inner`."""
+
+    inner: ByteStream
+
+    async def receive_into(self, view: memoryview) -> None:
+        """Pass through to `inner`."""
+        await self.inner.receive_into(view)
+
+    async def receive_some(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
+        """Pass through to `inner`."""
+        return await self.inner.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        """Pass through to `inner`."""
+        await self.inner.aclose()
+
+
+class FaultyStream(_SendFaultStream):
     """Wraps `inner`, applying `plan` to each send; `injected` records what was done."""
 
     def __init__(
@@ -135,18 +151,6 @@ class FaultyStream(ByteStream):
             f"send {fault.send_index}",
         )
 
-    async def receive_into(self, view: memoryview) -> None:
-        """Pass through to `inner`."""
-        await self.inner.receive_into(view)
-
-    async def receive_some(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
-        """Pass through to `inner`."""
-        return await self.inner.receive_some(max_bytes)
-
-    async def aclose(self) -> None:
-        """Pass through to `inner`."""
-        await self.inner.aclose()
-
 
 async def apply_send_fault(
     inner: ByteStream,
@@ -180,7 +184,7 @@ async def apply_send_fault(
             await asyncio.Event().wait()
 
 
-class InjectorStream(ByteStream):
+class InjectorStream(_SendFaultStream):
     """Wraps `inner`, asking a process's `FaultInjector` at `transfer.send` on each send.
 
     The rule's bytes-level actions are applied as `FaultyStream` applies a plan's; crash kills
@@ -202,7 +206,7 @@ class InjectorStream(ByteStream):
             return
         if rule.action is FaultKind.CRASH:
             crash(rule)
-        action = FaultAction(rule.action.value)
+        action = rule.action
         offset = rule.offset or 0
         # As FaultPlan: a corrupted byte must exist, a truncation may keep the whole send.
         limit = num_bytes - 1 if action is FaultAction.CORRUPT else num_bytes
@@ -211,18 +215,6 @@ class InjectorStream(ByteStream):
         await apply_send_fault(
             self.inner, views, action, offset, offset % 8, rule.delay_s, where=rule.spec()
         )
-
-    async def receive_into(self, view: memoryview) -> None:
-        """Pass through to `inner`."""
-        await self.inner.receive_into(view)
-
-    async def receive_some(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
-        """Pass through to `inner`."""
-        return await self.inner.receive_some(max_bytes)
-
-    async def aclose(self) -> None:
-        """Pass through to `inner`."""
-        await self.inner.aclose()
 
 
 def _flip_bit(views: list[memoryview], offset: int, bit: int) -> list[memoryview]:
