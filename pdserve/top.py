@@ -112,11 +112,13 @@ def run_top(
     router_url: str,
     interval_s: float,
     once: bool,
-    out: TextIO = sys.stdout,
+    out: TextIO | None = None,
     sleep: Callable[[float], None] = time.sleep,
     max_frames: int | None = None,
 ) -> int:
     """Draw frames until interrupted (or one frame with `once`); returns the exit status."""
+    # sys.stdout read at call time, not bound at import: a replaced stdout (tests, pipes) wins.
+    out = out if out is not None else sys.stdout
     previous: list[Sample] | None = None
     frames = 0
     try:
