@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Callable, Collection, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from pdserve.errors import NoCapacity, RouterError, WorkerCallError, WorkerUnreachable
@@ -57,6 +57,7 @@ from pdserve.worker.protocol import (
     GenerateRequest,
     PrefillRequest,
     PrefillResult,
+    RenewRequest,
     Reservation,
     ReserveRequest,
     TokenEvent,
@@ -252,6 +253,31 @@ class DisaggFlow:
                 )
             timeline.fail("closed before the worker finished")
 
+    @contextlib.asynccontextmanager
+    async def _renewing(self, leg: _Leg) -> AsyncIterator[None]:
+        """Keep D's reservation alive while P prefills: a prefill queued past the lease TTL
+        must not lose its slot. Only this router renews, so if it dies the lease still ends
+        and frees the blocks (invariant 1)."""
+        task = asyncio.create_task(self._renew_forever(leg), name=f"renew {leg.worker_request_id}")
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _renew_forever(self, leg: _Leg) -> None:
+        # A third of the TTL: two renewals may be lost before the lease lapses.
+        while True:
+            await asyncio.sleep(self._lease_ttl_s / 3)
+            try:
+                await self._client.renew(
+                    leg.decode_url, RenewRequest(request_id=leg.worker_request_id)
+                )
+            except RouterError:
+                # Gone or unreachable: /decode reports it with the reason; nothing to renew.
+                return
+
     async def _fault(self, site: FaultSite, url: str) -> None:
         """A router fault site; an injected close reads as the connection to `url` failing."""
         if self._faults is None or (rule := self._faults.fire(site)) is None:
@@ -417,7 +443,8 @@ class DisaggFlow:
                     decode_url=leg.decode_url,
                 )
                 with self._pool.inflight(leg.prefill_url):
-                    result = await self._client.prefill(leg.prefill_url, prefill)
+                    async with self._renewing(leg):
+                        result = await self._client.prefill(leg.prefill_url, prefill)
                 await self._fault(FaultSite.ROUTER_AFTER_PREFILL, leg.prefill_url)
                 return leg, result, attempt + 1
             except BaseException as exc:

@@ -28,6 +28,8 @@ from pdserve.worker.protocol import (
     PrefillResult,
     ReleaseRequest,
     ReleaseResult,
+    RenewRequest,
+    RenewResult,
     Reservation,
     ReserveRequest,
     TokenEvent,
@@ -91,6 +93,10 @@ class WorkerClient:
     async def prefill(self, url: str, request: PrefillRequest) -> PrefillResult:
         """POST /prefill: the first token; the KV goes to the reservation afterwards."""
         return await self._post(url, "/prefill", request, PrefillResult, self._timeouts.prefill_s)
+
+    async def renew(self, url: str, request: RenewRequest) -> RenewResult:
+        """POST /renew: extend a reservation's lease while its prefill runs."""
+        return await self._post(url, "/renew", request, RenewResult, self._timeouts.control_s)
 
     async def release(self, url: str, request: ReleaseRequest) -> ReleaseResult:
         """POST /release: free whatever the worker holds for the request."""

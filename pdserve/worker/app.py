@@ -51,6 +51,8 @@ from pdserve.worker.protocol import (
     PrefillResult,
     ReleaseRequest,
     ReleaseResult,
+    RenewRequest,
+    RenewResult,
     ReserveRequest,
     TokenEvent,
     WorkerEventModel,
@@ -136,6 +138,7 @@ class WorkerAPI:
                 web.post("/generate", self.generate),
                 web.post("/release", self.release),
                 web.post("/kv_abort", self.kv_abort),
+                web.post("/renew", self.renew),
                 web.get("/metrics", self.metrics),
                 web.get("/debug/requests/{request_id}", self.debug_request),
             ]
@@ -359,6 +362,13 @@ class WorkerAPI:
                 await self.engine.abort(body.request_id)
         await response.write_eof()
         return response
+
+    async def renew(self, request: web.Request) -> web.Response:
+        """POST /renew: keep a reservation alive while its prefill runs elsewhere."""
+        inbox = self._need_inbox("/renew")
+        body = await _parse(request, RenewRequest)
+        ttl_s = inbox.renew(body.request_id)
+        return _json(RenewResult(request_id=body.request_id, lease_ttl_s=ttl_s))
 
     async def kv_abort(self, request: web.Request) -> web.Response:
         """POST /kv_abort: the sender gave this reservation's KV up; cancel it now."""

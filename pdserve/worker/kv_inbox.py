@@ -182,6 +182,19 @@ class KVInbox:
         self.receiver.forget(pending.transfer_id)
         self._leases.drop(pending.lease)
 
+    def renew(self, request_id: str) -> float:
+        """Extend a pending reservation's lease by its TTL; returns the TTL.
+
+        RequestNotFound once it is gone (expired, cancelled): the router learns at once that
+        the prefill it waits on has nowhere to go.
+        """
+        pending = self._pending.get(request_id)
+        if pending is None:
+            raise RequestNotFound(f"no reservation for request {request_id} to renew")
+        if not pending.verified:  # verified: handed over, nothing left to keep alive
+            pending.lease.heartbeat()
+        return pending.lease.renew_ttl_s or 0.0
+
     async def abort(self, body: KVAbortRequest) -> bool:
         """The sender gave up: cancel the reservation now (its /decode fails at once).
 

@@ -12,6 +12,7 @@ Endpoints (role in brackets):
     POST /generate  GenerateRequest -> stream of TokenEvent            [both]
     POST /release   ReleaseRequest  -> ReleaseResult                   [all]
     POST /kv_abort  KVAbortRequest  -> KVAbortResult                   [decode, both]
+    POST /renew     RenewRequest    -> RenewResult                     [decode, both]
     GET  /metrics                   Prometheus text                    [all]
     GET  /debug/requests/{id}       WorkerEvents                       [all]
 Errors are `ErrorBody` with an HTTP status: 400 bad input, 404 unknown request, 409 wrong role
@@ -136,6 +137,18 @@ class PrefillRequest(_Model):
     # The decode worker's control URL: told at once (POST /kv_abort) when the send is given
     # up, so its /decode fails now instead of when the reservation's lease ends.
     decode_url: str | None = None
+
+
+class RenewRequest(_Model):
+    """POST /renew: the router still wants this reservation (its prefill is running)."""
+
+    request_id: str
+
+
+class RenewResult(_Model):
+    request_id: str
+    # Seconds the reservation now lives without another renewal.
+    lease_ttl_s: float
 
 
 class KVAbortRequest(_Model):

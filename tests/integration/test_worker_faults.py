@@ -30,6 +30,7 @@ from pdserve.worker.protocol import (
     KVAbortRequest,
     PrefillRequest,
     PrefillResult,
+    RenewRequest,
     Reservation,
     ReserveRequest,
     SamplingModel,
@@ -406,3 +407,24 @@ def test_a_send_given_up_fails_the_decode_at_once_not_at_lease_end(workers: Work
     assert events and events[-1].finish_reason == "error"
     assert "sender gave up" in (events[-1].error or ""), events[-1]
     assert elapsed < 10, f"the decode side learned after {elapsed:.1f} s (lease: 20 s)"
+
+
+def test_renew_keeps_a_reservation_past_its_ttl_and_lapses_without(workers: Workers) -> None:
+    async def body(session: aiohttp.ClientSession) -> None:
+        prompt = [random.Random(11).randrange(3, 2048) for _ in range(40)]
+        reserve = ReserveRequest(
+            request_id="renewed", prompt_token_ids=prompt, sampling=GREEDY, lease_ttl_s=1.0
+        )
+        status, answer = await post(session, f"{workers.decode.url}/reserve", reserve)
+        assert status == 200, answer
+        renew = RenewRequest(request_id="renewed")
+        for _ in range(6):  # 1.8 s in all: past the 1 s TTL, kept alive
+            await asyncio.sleep(0.3)
+            status, answer = await post(session, f"{workers.decode.url}/renew", renew)
+            assert status == 200 and answer["lease_ttl_s"] == 1.0, answer
+        await asyncio.sleep(2.0)  # no renewal: the reaper frees it
+        status, answer = await post(session, f"{workers.decode.url}/renew", renew)
+        assert status == 404 and answer["type"] == "RequestNotFound", answer
+        await until_idle(session, workers.decode)
+
+    run(body)

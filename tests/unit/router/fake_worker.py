@@ -21,6 +21,8 @@ from pdserve.worker.protocol import (
     PrefillResult,
     ReleaseRequest,
     ReleaseResult,
+    RenewRequest,
+    RenewResult,
     Reservation,
     ReserveRequest,
     TokenEvent,
@@ -41,6 +43,8 @@ class FakeWorker:
     fail_prefill_retryable: bool = True
     # Seconds to wait between streamed tokens (lets a test disconnect mid-stream).
     token_delay_s: float = 0.0
+    # Seconds a prefill takes (a queued or long prefill).
+    prefill_delay_s: float = 0.0
     # This many /decode calls report that the KV never verified, before any token.
     fail_kv_times: int = 0
     # Cut /decode and /generate streams (no finished event) after this many tokens.
@@ -70,6 +74,7 @@ class FakeWorker:
         app.router.add_post("/decode", self.decode)
         app.router.add_post("/generate", self.generate)
         app.router.add_post("/release", self.release)
+        app.router.add_post("/renew", self.renew)
         return app
 
     async def start(self) -> FakeWorker:
@@ -118,9 +123,18 @@ class FakeWorker:
         )
         return _json(res)
 
+    async def renew(self, request: web.Request) -> web.Response:
+        body = RenewRequest.model_validate_json(await request.read())
+        self.calls.append(("/renew", body.request_id))
+        if body.request_id not in self.reserved:
+            return _error(404, "no reservation", "RequestNotFound")
+        ttl = self.reserved[body.request_id].lease_ttl_s
+        return _json(RenewResult(request_id=body.request_id, lease_ttl_s=ttl))
+
     async def prefill(self, request: web.Request) -> web.Response:
         body = PrefillRequest.model_validate_json(await request.read())
         self.calls.append(("/prefill", body.request_id))
+        await asyncio.sleep(self.prefill_delay_s)
         if self.fail_prefill:
             return _error(500, "prefill blew up", "EngineError", self.fail_prefill_retryable)
         result = PrefillResult(

@@ -79,3 +79,24 @@ def test_ready_is_503_until_a_worker_can_take_a_request(tiny_model_path: Path) -
             assert resp.status == 200 and (await resp.json())["ready"] is True
 
     run(body)
+
+
+def test_the_reservation_is_renewed_while_a_slow_prefill_runs(
+    tiny_model_path: Path, tokens: list[int]
+) -> None:
+    """A prefill that takes longer than the lease TTL: the router renews the decode
+    reservation about every TTL/3 while it waits, and stops once the prefill answered."""
+    p = FakeWorker("prefill", tokens, prefill_delay_s=1.0)
+    d = FakeWorker("decode", tokens)
+
+    async def body() -> None:
+        async with router(tiny_model_path, [p, d], lease_ttl_s=0.3) as client:
+            resp = await client.post("/v1/completions", json=completion(3))
+            assert resp.status == 200, await resp.text()
+            paths = d.paths()
+            assert paths[0] == "/reserve" and paths[-1] == "/decode"
+            renewals = paths.count("/renew")
+            assert 2 <= renewals <= 10, paths  # ~1.0 s / 0.1 s, whatever the scheduling
+            assert set(paths[1:-1]) == {"/renew"}  # none after the prefill answered
+
+    run(body)
