@@ -3,7 +3,9 @@
 Commands: `generate` (one completion on the local engine), `up` (router and workers on
 loopback), `worker` and `router` (one process each), `status` and `top` (a cluster's workers,
 blocks and load, once or live), `trace` (one request's timeline), `bench engine` (engine
-throughput against transformers). A bad flag or config value exits with status 2 and one line naming it.
+throughput against transformers), `bench multiturn` (routing on multi-turn chats), `bench
+serve` (goodput under SLOs at Poisson rates, disagg against colocated). A bad flag or config
+value exits with status 2 and one line naming it.
 """
 
 from __future__ import annotations
@@ -124,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="report extra latency without failing on it (on a machine busy with other work)",
     )
+    c.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="draw each scenario's slowest completed request's timeline into DIR (pdserve[plot])",
+    )
 
     b = sub.add_parser("bench", help="benchmarks that print a table and ratios")
     bsub = b.add_subparsers(dest="bench", required=True)
@@ -137,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.bench.multiturn import add_arguments
 
     add_arguments(bm)
+    bs = bsub.add_parser(
+        "serve", help="Poisson load per rate: goodput under TTFT/TPOT SLOs, disagg vs colocated"
+    )
+    from pdserve.bench.serve import add_arguments as add_serve_arguments
+
+    add_serve_arguments(bs)
     return parser
 
 
@@ -161,6 +176,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench == "serve":
+        from pdserve.bench.serve import run_serve_bench
+
+        return run_serve_bench(args)
     if args.bench == "multiturn":
         from pdserve.bench.multiturn import run_multiturn_bench
 
@@ -182,6 +201,7 @@ def _cmd_chaos(args: argparse.Namespace) -> int:
         json_path=args.json,
         workdir=args.workdir,
         strict_latency=not args.no_latency_bound,
+        plot_dir=args.plot,
     )
     return run_chaos(config)
 

@@ -10,7 +10,9 @@ each scenario gets a fresh cluster of its own shape:
 The workload is the same every time: `num_requests` concurrent, streamed, seeded completions
 with `ignore_eos`, so a fault-free run is deterministic and any lost, repeated or different
 token shows. Each scenario's figures and missed targets are printed as a table and written as
-JSON with `--json`; the exit status is 1 when any target was missed.
+JSON with `--json`; the exit status is 1 when any target was missed. With `--plot DIR`, the
+merged timeline of each scenario's slowest completed request is fetched before its cluster
+stops and drawn into DIR/<scenario>.png.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from pdserve.bench.chaos_scenarios import (
     standard_workers,
 )
 from pdserve.bench.completion_client import Completion, OnTokens, stream_completion
+from pdserve.observability.plot import load_pyplot, save_plot
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +75,8 @@ class ChaosConfig:
     workdir: Path | None = None
     # Hold extra latency to its bound (see `judge`); measured either way.
     strict_latency: bool = True
+    # With a folder: each scenario's slowest completed request's merged timeline as a PNG.
+    plot_dir: Path | None = None
 
 
 def _request_body(index: int, max_tokens: int, model: str) -> dict[str, object]:
@@ -304,7 +309,7 @@ async def _run_scenario(
         measure_outputs(result, list(reference.values()), outcomes, REQUEST_TIMEOUT_S)
         result.dead_workers = cluster.dead_workers()
         result.injected += cluster.injected()
-        _collect_facts(scenario, cluster, [c for _, c in completions], result)
+        _collect_facts(scenario, cluster, [c for _, c in completions], result, config.plot_dir)
         await asyncio.sleep(LEASE_TTL_S + _REAP_SLACK_S)
         after = _pinned(cluster)
         result.pinned_after_ttl = after
@@ -325,15 +330,24 @@ def _collect_facts(
     cluster: ChaosCluster,
     completions: Sequence[Completion],
     result: ScenarioResult,
+    plot_dir: Path | None = None,
 ) -> None:
     if not cluster.router_alive():
         result.facts["router_alive"] = False
         return
     timelines = _timelines(cluster, completions)
     slowest = max(completions, key=lambda c: c.latency_s, default=None)
+    # The plot shows how a faulted request that still finished spent its time.
+    done = [c for c in completions if c.error is None]
+    slowest_done = max(done, key=lambda c: c.latency_s, default=None)
+    plot_id = slowest_done.request_id if slowest_done is not None else None
     for t in timelines:
         if slowest is not None and t["request_id"] == slowest.request_id:
             result.facts["slowest_timeline"] = _waterfall(t)
+        if plot_dir is not None and plot_id is not None and t["request_id"] == plot_id:
+            path = plot_dir / f"{scenario.name}.png"
+            save_plot(t, path)
+            result.facts["timeline_plot"] = str(path)
     result.facts["num_wasted_prefills"] = sum(_prefills_without_reservation(t) for t in timelines)
     result.facts["num_queued"] = sum(_queued(t) for t in timelines)
     if scenario.expect_unused:
@@ -407,6 +421,9 @@ def render_table(results: Sequence[ScenarioResult]) -> str:
 
 def run_chaos(config: ChaosConfig) -> int:
     """The `pdserve chaos` command: 0 when every scenario met every target."""
+    if config.plot_dir is not None:
+        load_pyplot()  # a missing extra fails now, not inside every scenario
+        config.plot_dir.mkdir(parents=True, exist_ok=True)
     results = asyncio.run(run_chaos_async(config))
     print(render_table(results))
     if config.json_path is not None:

@@ -6,8 +6,9 @@ between paired events (`prefill_start`→`prefill_end`, `kv_send_start`→`kv_se
 `kv_send_failed`, `reserved`→`kv_verified`, `decode_start`/`generate_start`→`finished`), and
 a tick for every event. Times are milliseconds from RECEIVED on the router's clock.
 
-`lanes` is pure and tested without matplotlib; `save_plot` imports matplotlib only when called
-(the optional extra `pdserve[plot]`) and raises `PlotUnavailable` when it is absent.
+`lanes` is pure and tested without matplotlib; `save_plot` (and `load_pyplot`, which the
+benchmarks' plots share) imports matplotlib only when called (the optional extra
+`pdserve[plot]`) and raises `PlotUnavailable` when it is absent.
 """
 
 from __future__ import annotations
@@ -84,8 +85,11 @@ def lanes(view: Mapping[str, Any]) -> list[Lane]:
     return list(rows.values())
 
 
-def save_plot(view: Mapping[str, Any], path: Path) -> None:
-    """Draw the waterfall of `view` into `path` (PNG, or any format matplotlib infers)."""
+def load_pyplot() -> Any:
+    """matplotlib.pyplot on the file-only Agg backend; `PlotUnavailable` when it is absent.
+
+    Every plotting command calls this first, so a missing extra fails before any work is done.
+    """
     try:
         import matplotlib
 
@@ -93,6 +97,12 @@ def save_plot(view: Mapping[str, Any], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise PlotUnavailable("plotting needs matplotlib: pip install 'pdserve[plot]'") from None
+    return plt
+
+
+def save_plot(view: Mapping[str, Any], path: Path) -> None:
+    """Draw the waterfall of `view` into `path` (PNG, or any format matplotlib infers)."""
+    plt = load_pyplot()
     rows = lanes(view)
     fig, ax = plt.subplots(figsize=(12, 1.2 + 0.9 * len(rows)))
     cmap = plt.get_cmap("tab20")
