@@ -24,7 +24,7 @@ import importlib.util
 from collections.abc import Callable
 from typing import Any
 
-from pdserve.observability.phases import PHASES
+from pdserve.observability.phases import phase_bounds
 from pdserve.observability.request_stats import request_stats
 from pdserve.router.state import RequestState as S
 from pdserve.router.state import RequestTimeline
@@ -46,14 +46,7 @@ def _phase_bounds(timeline: RequestTimeline) -> dict[str, tuple[int, int]]:
     reserved = next((t.monotonic_ns for t in history if t.state is S.RESERVED), None)
     if reserved is not None:
         bounds["queue"] = (received, reserved)
-    for name, (start, end) in PHASES.items():
-        began: int | None = None
-        for t in history:
-            if t.state is start:
-                began = t.monotonic_ns
-            elif t.state is end and began is not None:
-                bounds[name] = (began, t.monotonic_ns)
-                began = None
+    bounds.update(phase_bounds(history))
     decoding = [t.monotonic_ns for t in history if t.state is S.DECODING]
     if decoding and timeline.done:
         bounds["decode"] = (decoding[-1], history[-1].monotonic_ns)

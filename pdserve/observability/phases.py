@@ -31,15 +31,20 @@ class _Transition(Protocol):
     def monotonic_ns(self) -> int: ...
 
 
-def handoff_phases(history: Sequence[_Transition]) -> dict[str, float]:
-    """Seconds per phase (see the module docstring) from a timeline's transitions."""
-    phases: dict[str, float] = {}
+def phase_bounds(history: Sequence[_Transition]) -> dict[str, tuple[int, int]]:
+    """(start, end) monotonic ns of each phase, its last completed occurrence."""
+    bounds: dict[str, tuple[int, int]] = {}
     for name, (start, end) in PHASES.items():
         began: int | None = None
         for t in history:
             if t.state is start:
                 began = t.monotonic_ns
             elif t.state is end and began is not None:
-                phases[name] = (t.monotonic_ns - began) / 1e9
+                bounds[name] = (began, t.monotonic_ns)
                 began = None
-    return phases
+    return bounds
+
+
+def handoff_phases(history: Sequence[_Transition]) -> dict[str, float]:
+    """Seconds per phase (see the module docstring) from a timeline's transitions."""
+    return {name: (end - start) / 1e9 for name, (start, end) in phase_bounds(history).items()}
