@@ -80,14 +80,29 @@ class Child:
     url: str | None = None
 
 
-def spawn_child(name: str, args: list[str], workdir: Path) -> Child:
-    """Start `python -m ARGS --ready-file F` in its own session, logging to WORKDIR/NAME.log."""
+def worker_threads(num_workers: int) -> int:
+    """Intra-op threads per worker so that `num_workers` engines on this host share its cores."""
+    return max(1, (os.cpu_count() or 1) // max(1, num_workers))
+
+
+def spawn_child(name: str, args: list[str], workdir: Path, threads: int | None = None) -> Child:
+    """Start `python -m ARGS --ready-file F` in its own session, logging to WORKDIR/NAME.log.
+
+    `threads` sets the child's OMP_NUM_THREADS unless the caller's environment already does:
+    torch starts one intra-op thread per core in every process, and several engines on one
+    host then oversubscribe it (measured: 6 concurrent requests took 4.7 s instead of 0.2 s
+    with four workers on two cores).
+    """
     ready = workdir / f"{name}.ready.json"
+    env = dict(os.environ)
+    if threads is not None:
+        env.setdefault("OMP_NUM_THREADS", str(threads))
     log = open(workdir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the child's lifetime
     proc = subprocess.Popen(
         [sys.executable, "-m", *args, "--ready-file", str(ready)],
         stdout=log,
         stderr=subprocess.STDOUT,
+        env=env,
         # Own session: a terminal Ctrl-C reaches only `up`, which stops children in order.
         start_new_session=True,
     )
@@ -149,7 +164,10 @@ class Cluster:
         deadline = time.monotonic() + c.startup_timeout_s
         names = [(f"prefill-{i}", "prefill") for i in range(c.num_prefill)]
         names += [(f"decode-{i}", "both") for i in range(c.num_decode)]
-        workers = [spawn_child(n, self._worker_args(role, n), self.workdir) for n, role in names]
+        threads = worker_threads(len(names))
+        workers = [
+            spawn_child(n, self._worker_args(role, n), self.workdir, threads) for n, role in names
+        ]
         self.children.extend(workers)
         for w in workers:
             w.url = wait_child_ready(w, deadline)

@@ -22,7 +22,7 @@ from pdserve.bench.chaos_scenarios import (
     REQUEST_TIMEOUT_S,
     WorkerSpec,
 )
-from pdserve.launcher import Child, spawn_child, stop_children, wait_child_ready
+from pdserve.launcher import Child, spawn_child, stop_children, wait_child_ready, worker_threads
 
 
 def http_json(url: str, body: object | None = None, timeout_s: float = 5.0) -> dict[str, object]:
@@ -64,7 +64,9 @@ class ChaosCluster:
             args = ["pdserve.worker.main", "--role", spec.role, "--host", "127.0.0.1"]
             args += ["--port", "0", "--kv-port", "0", "--worker-id", spec.name, *model]
             args += ["--enable-fault-admin", "--transfer-chunk-timeout-s", str(CHUNK_TIMEOUT_S)]
-            self.workers[spec.name] = spawn_child(spec.name, [*args, *spec.args], self.workdir)
+            self.workers[spec.name] = spawn_child(
+                spec.name, [*args, *spec.args], self.workdir, worker_threads(len(self.specs))
+            )
         for child in self.workers.values():
             child.url = wait_child_ready(child, deadline)
         args = ["pdserve.router.main", "--host", "127.0.0.1", "--port", "0", *model]
