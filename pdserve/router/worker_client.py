@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import aiohttp
 from pydantic import BaseModel, ValidationError
@@ -62,20 +62,44 @@ class WorkerClient:
         self._timeouts = timeouts
         # Cleanup releases in flight; held so they are not garbage-collected mid-call.
         self._cleanups: set[asyncio.Task[None]] = set()
-        # Token streams open per worker URL, so `abandon` can cut them.
+        # Token streams and control calls open per worker URL, so `abandon` can cut them.
         self._streams: dict[str, set[aiohttp.ClientResponse]] = {}
+        self._calls: dict[str, set[asyncio.Future[Any]]] = {}
 
     def abandon(self, url: str) -> int:
-        """Cut every open token stream from `url` (it left the pool); returns how many.
+        """Cut every open token stream and control call to `url` (it left the pool); returns
+        how many.
 
-        A worker that went silent (a partition, a lapsed membership lease) never closes its
-        streams; without this each would wait out the stream read timeout before failing over.
-        The cut stream fails as any broken stream does, and the flows' recovery takes over.
+        A worker that went silent (a partition, a lapsed membership lease) never answers or
+        closes; without this each call would wait out its own timeout (10 s for a control
+        call, 120 s of stream silence) before failing over. A cut stream fails as any broken
+        stream does and a cut call raises WorkerUnreachable: the flows' recovery takes over.
         """
         streams = self._streams.pop(url, set())
         for resp in streams:
             resp.close()
-        return len(streams)
+        calls = self._calls.pop(url, set())
+        for call in calls:
+            call.cancel()
+        return len(streams) + len(calls)
+
+    async def _abandonable(self, url: str, coro: Coroutine[Any, Any, _M]) -> _M:
+        """Await `coro` as a call `abandon(url)` can cut (then WorkerUnreachable)."""
+        call = asyncio.ensure_future(coro)
+        calls = self._calls.setdefault(url, set())
+        calls.add(call)
+        try:
+            return await call
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            # Cut by `abandon`, not our own caller being cancelled: a failed call.
+            if call.cancelled() and task is not None and task.cancelling() == 0:
+                raise WorkerUnreachable(url, "left the pool while the call was open") from None
+            raise
+        finally:
+            calls.discard(call)
+            if not calls and self._calls.get(url) is calls:
+                del self._calls[url]
 
     async def health(self, url: str) -> WorkerHealth:
         """GET /health."""
@@ -132,6 +156,11 @@ class WorkerClient:
             raise WorkerUnreachable(url, f"GET {path}: {exc!r}") from exc
 
     async def _post(
+        self, url: str, path: str, body: BaseModel, model: type[_M], timeout_s: float
+    ) -> _M:
+        return await self._abandonable(url, self._post_once(url, path, body, model, timeout_s))
+
+    async def _post_once(
         self, url: str, path: str, body: BaseModel, model: type[_M], timeout_s: float
     ) -> _M:
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self._timeouts.connect_s)

@@ -1,5 +1,5 @@
-"""`WorkerClient.abandon`: a worker that left the pool has its open token streams cut at once,
-so the flows fail over instead of waiting out the stream read timeout of a silent worker."""
+"""`WorkerClient.abandon`: a worker that left the pool has its open token streams and control
+calls cut at once, so the flows fail over instead of waiting out a silent worker's timeouts."""
 
 from __future__ import annotations
 
@@ -11,7 +11,12 @@ from aiohttp.test_utils import TestServer
 
 from pdserve.errors import WorkerUnreachable
 from pdserve.router.worker_client import ClientTimeouts, WorkerClient
-from pdserve.worker.protocol import DecodeRequest, TokenEvent
+from pdserve.worker.protocol import (
+    DecodeRequest,
+    PrefillRequest,
+    SamplingModel,
+    TokenEvent,
+)
 
 
 async def _one_token_then_silence(request: web.Request) -> web.StreamResponse:
@@ -20,6 +25,44 @@ async def _one_token_then_silence(request: web.Request) -> web.StreamResponse:
     await resp.write(TokenEvent(token_ids=[7]).model_dump_json().encode() + b"\n")
     await asyncio.Event().wait()  # a partitioned worker: the connection stays, nothing comes
     return resp
+
+
+async def _never_answers(request: web.Request) -> web.Response:
+    await asyncio.Event().wait()
+    raise AssertionError("unreachable")
+
+
+def test_abandon_cuts_a_silent_control_call_but_not_a_cancelled_caller() -> None:
+    async def body() -> None:
+        app = web.Application()
+        app.router.add_post("/prefill", _never_answers)
+        server = TestServer(app)
+        await server.start_server()
+        url = str(server.make_url("")).rstrip("/")
+        prefill = PrefillRequest(request_id="r", prompt_token_ids=[1, 2], sampling=SamplingModel())
+        async with aiohttp.ClientSession() as session:
+            client = WorkerClient(session, ClientTimeouts(prefill_s=60.0))
+            call = asyncio.ensure_future(client.prefill(url, prefill))
+            await asyncio.sleep(0.1)
+            assert client.abandon(url) == 1
+            try:
+                await asyncio.wait_for(call, 5)
+                raise AssertionError("a cut call answered")
+            except WorkerUnreachable as exc:
+                assert "left the pool" in str(exc)
+            # The caller's own cancellation stays a cancellation, not a worker failure.
+            call = asyncio.ensure_future(client.prefill(url, prefill))
+            await asyncio.sleep(0.1)
+            call.cancel()
+            try:
+                await call
+                raise AssertionError("a cancelled call answered")
+            except asyncio.CancelledError:
+                pass
+            assert client.abandon(url) == 0  # nothing left open
+        await server.close()
+
+    asyncio.run(asyncio.wait_for(body(), 30))
 
 
 def test_abandon_cuts_a_silent_stream_and_the_read_fails_over() -> None:
