@@ -18,43 +18,20 @@ It formats numbers; it does not know where they come from beyond `EngineStats`.
 from __future__ import annotations
 
 from pdserve.engine.engine import EngineStats
+from pdserve.observability import metric_names as m
+from pdserve.observability.exposition import render_family
 
 
 def render_reuse(worker_id: str, stats: EngineStats) -> str:
-    """Prometheus exposition lines (counters) for `stats`."""
-    families = (
-        (
-            "prefill_tokens_total",
-            "tokens admitted for local prefill",
-            stats.num_prefill_tokens_total,
-        ),
-        (
-            "prefill_cached_tokens_total",
-            "tokens of local prefills supplied by the prefix cache",
-            stats.num_prefill_cached_tokens_total,
-        ),
-        (
-            "kv_received_blocks_total",
-            "KV blocks received by verified transfer",
-            stats.num_remote_kv_blocks_total,
-        ),
-        (
-            "kv_received_bytes_total",
-            "KV bytes received by verified transfer",
-            stats.num_remote_kv_blocks_total * stats.kv_block_bytes,
-        ),
-        (
-            "kv_received_cached_tokens_total",
-            "prompt tokens of remote-KV requests already cached here (not transferred)",
-            stats.num_remote_cached_tokens_total,
-        ),
-    )
+    """Prometheus exposition lines (counters) for `stats`; names from `metric_names`."""
+    labels = {"worker_id": worker_id}
     lines: list[str] = []
-    for name, help_text, value in families:
-        metric = f"pdserve_worker_{name}"
-        lines += [
-            f"# HELP {metric} {help_text}",
-            f"# TYPE {metric} counter",
-            f'{metric}{{worker_id="{worker_id}"}} {value}',
-        ]
+    for spec, value in (
+        (m.WORKER_PREFILL_TOKENS, stats.num_prefill_tokens_total),
+        (m.WORKER_PREFILL_CACHED_TOKENS, stats.num_prefill_cached_tokens_total),
+        (m.WORKER_KV_RECEIVED_BLOCKS, stats.num_remote_kv_blocks_total),
+        (m.WORKER_KV_RECEIVED_BYTES, stats.num_remote_kv_blocks_total * stats.kv_block_bytes),
+        (m.WORKER_KV_RECEIVED_CACHED_TOKENS, stats.num_remote_cached_tokens_total),
+    ):
+        lines += render_family(spec, [(labels, value)])
     return "\n".join(lines) + "\n"
