@@ -24,6 +24,7 @@ import math
 import tempfile
 import time
 import urllib.error
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -45,6 +46,8 @@ from pdserve.bench.chaos_scenarios import (
     standard_workers,
 )
 from pdserve.bench.completion_client import Completion, OnTokens, stream_completion
+from pdserve.observability import metric_names
+from pdserve.observability.exposition import parse as parse_exposition
 from pdserve.observability.plot import load_pyplot, save_plot
 
 log = logging.getLogger(__name__)
@@ -184,15 +187,11 @@ def _queued(timeline: dict[str, object]) -> bool:
 def _breaker_transitions(router_url: str) -> list[str]:
     """ "from->to" for every breaker transition counted in the router's /metrics."""
     with urllib.request.urlopen(f"{router_url}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    found = []
-    for line in text.splitlines():
-        if line.startswith("pdserve_router_breaker_transitions_total{"):
-            labels, _, value = line.rpartition(" ")
-            if float(value) > 0:
-                parts = dict(p.split("=", 1) for p in labels[labels.index("{") + 1 : -1].split(","))
-                found.append(f"{parts['from'].strip(chr(34))}->{parts['to'].strip(chr(34))}")
-    return found
+        samples = parse_exposition(resp.read().decode())
+    name = metric_names.ROUTER_BREAKER_TRANSITIONS.name
+    return [
+        f"{s.label('from')}->{s.label('to')}" for s in samples if s.name == name and s.value > 0
+    ]
 
 
 async def _kill_mid_decode(cluster: ChaosCluster, result: ScenarioResult) -> OnTokens:
