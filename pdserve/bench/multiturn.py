@@ -32,7 +32,6 @@ import asyncio
 import json
 import os
 import random
-import re
 import statistics
 import time
 import urllib.request
@@ -41,14 +40,16 @@ from pathlib import Path
 
 import aiohttp
 
+from pdserve.errors import ConfigError
 from pdserve.launcher import Cluster, UpConfig
+from pdserve.observability.exposition import parse as parse_exposition
 
 ROUTINGS: dict[str, tuple[str, ...]] = {
     "round_robin": ("--routing", "round_robin"),
     "affinity-transfer": ("--routing", "affinity", "--local-prefill-threshold", "0"),
     "affinity": ("--routing", "affinity"),
 }
-_METRIC = re.compile(r'^pdserve_worker_(\w+)\{worker_id="[^"]*"\} (\S+)$', re.MULTILINE)
+_WORKER_PREFIX = "pdserve_worker_"
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +66,19 @@ class MultiTurnConfig:
     num_decode: int = 2
     block_size: int = 16
     routings: tuple[str, ...] = tuple(ROUTINGS)
+
+    def __post_init__(self) -> None:
+        # The headline figure is TTFT over turns >= 4: fewer turns leave nothing to report.
+        bounds = {"chats": (self.num_chats, 1), "turns": (self.num_turns, 4)}
+        bounds |= {"first-tokens": (self.first_tokens, 1), "user-tokens": (self.user_tokens, 1)}
+        bounds |= {"output-tokens": (self.output_tokens, 1), "decode": (self.num_decode, 1)}
+        bounds |= {"prefill": (self.num_prefill, 1)}
+        for flag, (value, low) in bounds.items():
+            if value < low:
+                raise ConfigError(f"--{flag}: must be >= {low}, got {value}")
+        unknown = [r for r in self.routings if r not in ROUTINGS]
+        if unknown:
+            raise ConfigError(f"--routing: {unknown[0]!r} is not one of {', '.join(ROUTINGS)}")
 
 
 @dataclass(slots=True)
@@ -111,12 +125,16 @@ class RoutingResult:
 
 
 def _scrape(urls: list[str]) -> dict[str, float]:
-    """Worker counters summed over `urls`."""
+    """Worker counters summed over `urls`, by name without the `pdserve_worker_` prefix."""
     total: dict[str, float] = {}
     for url in urls:
         with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-            for name, value in _METRIC.findall(resp.read().decode()):
-                total[name] = total.get(name, 0.0) + float(value)
+            samples = parse_exposition(resp.read().decode())
+        for s in samples:
+            # Series labelled by the worker alone: counters and gauges, not histogram buckets.
+            if s.name.startswith(_WORKER_PREFIX) and [k for k, _ in s.labels] == ["worker_id"]:
+                key = s.name.removeprefix(_WORKER_PREFIX)
+                total[key] = total.get(key, 0.0) + s.value
     return total
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.bench.multiturn import RoutingResult, TurnResult, render_table
+from pdserve.bench.multiturn import MultiTurnConfig, RoutingResult, TurnResult, render_table
+from pdserve.errors import ConfigError
 
 
 def turn(n: int, ttft: float, prompt: int, prefilled: int, reusable: int, seen: int) -> TurnResult:
@@ -36,3 +37,12 @@ def test_table_has_one_row_per_turn_with_bytes_per_new_token() -> None:
     rows = render_table([r]).splitlines()
     assert len(rows) == 2 + 2
     assert rows[3].split() == ["affinity", "2", "3.0", "52", "96", "520", "52", "10"]
+
+
+def test_a_workload_too_small_to_report_is_refused_naming_the_flag() -> None:
+    with pytest.raises(ConfigError, match=r"--turns: must be >= 4, got 3"):
+        MultiTurnConfig(num_turns=3)
+    with pytest.raises(ConfigError, match=r"--chats: must be >= 1, got 0"):
+        MultiTurnConfig(num_chats=0)
+    with pytest.raises(ConfigError, match=r"--routing: 'nearest' is not one of"):
+        MultiTurnConfig(routings=("nearest",))
