@@ -15,12 +15,18 @@ field, the worker, the frame.
     │   └── WeightShapeMismatch         tensor shape differs from config (names tensor, shapes)
     ├── FingerprintMismatch             two engines whose KV is not interchangeable (names fields)
     ├── WrongRole                       the endpoint is not served by this worker's role
+    ├── AuthError                       the cluster credential is missing or wrong
+    │   ├── Unauthenticated             no credential at all (HTTP 401)
+    │   └── Forbidden                   forged, expired or replayed credential (HTTP 403)
+    ├── DeadlineExceeded                the request's deadline passed while a worker waited
     ├── EngineError
     │   ├── NoFreeBlocks                no KV blocks for the request right now (retryable)
+    │   ├── Overloaded                  the worker's admission queue is full (retryable, 503)
     │   ├── RequestNotFound             unknown request id
     │   ├── DuplicateRequest            request id already in the engine
     │   ├── PromptTooLong               prompt + max_tokens exceed the model or the KV cache
-    │   └── KVNotReady                  remote KV for a request is not complete and verified
+    │   ├── KVNotReady                  remote KV for a request is not complete and verified
+    │   └── KVValueMismatch             verified KV computes something else (the canary; retryable)
     ├── LeaseError
     │   ├── LeaseExpired                the grant lapsed (retryable: ask for a new one)
     │   └── StaleLease                  a newer grant (higher epoch) supersedes this one
@@ -43,6 +49,7 @@ field, the worker, the frame.
         ├── PeerClosed                  connection lost mid-transfer (retryable)
         ├── StreamBroken                this end closed, or left mid-write by a cancelled op
         ├── TransferRefused             the peer sent Nack (retryable per reason)
+        ├── TransportUnavailable        the KV transport asked for cannot be used (names why)
         └── Unauthorized                wrong capability token: no data is sent
 """
 
@@ -124,6 +131,22 @@ class WrongRole(PdserveError):
     """This worker's role does not serve the endpoint (e.g. /prefill on a decode worker)."""
 
 
+class AuthError(PdserveError):
+    """A call or connection did not prove it belongs to the cluster."""
+
+
+class Unauthenticated(AuthError):
+    """No cluster credential was presented (HTTP 401)."""
+
+
+class Forbidden(AuthError):
+    """The credential is forged, outside its time window or a replay (HTTP 403)."""
+
+
+class DeadlineExceeded(PdserveError):
+    """The request's deadline passed while a worker waited on its behalf."""
+
+
 class EngineError(PdserveError):
     """An engine-level request error."""
 
@@ -151,6 +174,24 @@ class PromptTooLong(EngineError):
 
 class KVNotReady(EngineError):
     """A request's remote KV has not been fully received and verified."""
+
+
+class Overloaded(EngineError):
+    """The worker's admission queue is full; another worker or a later retry may do."""
+
+    retryable = True
+
+
+class KVValueMismatch(EngineError):
+    """Received KV passed its checksums but does not compute what the sender's did.
+
+    The decode side recomputed the last prompt position from the received blocks and its
+    output differs from the prefill side's digest: blocks mapped wrongly, a model difference
+    the fingerprint missed, or KV damaged before its checksum was taken. Another prefill (or a
+    local one) can still serve the request.
+    """
+
+    retryable = True
 
 
 class ErrorBodyLike(Protocol):
@@ -299,6 +340,10 @@ class TransferRefused(TransferError):
         super().__init__(f"transfer refused by peer: {reason}")
         self.reason = reason
         self.retryable = retryable
+
+
+class TransportUnavailable(TransferError):
+    """A KV transport asked for explicitly cannot be used between these two workers."""
 
 
 class Unauthorized(TransferError):

@@ -16,6 +16,10 @@ Actions: delay (sleep `delay_s`, then go on), stall (block until cancelled: the 
 deadline), close (drop the connection; at control sites `perform` raises `FaultClosed`), crash
 (SIGKILL to this process: it exits at once, nothing is cleaned up). drop, corrupt and truncate
 change bytes on the wire, so they exist only at `transfer.send` (see `transfer.faulty`).
+Two sites damage KV in memory instead, which checksums cannot see (the canary must): at
+`transfer.source_kv` corrupt flips the top exponent bit of one KV element of the held prefill
+KV after its value digest was taken and before its checksums are; at `transfer.recv_map` shift
+lands a transfer's blocks one place off (a stale or shifted block table).
 
 The parsing and the injector are pure; `perform` and `crash` are the only I/O here.
 """
@@ -58,6 +62,10 @@ class FaultSite(enum.StrEnum):
     TRANSFER_SEND = "transfer.send"
     # Decode side, once per Chunk frame the KV receiver accepts (before its data lands).
     TRANSFER_RECV_CHUNK = "transfer.recv_chunk"
+    # Prefill side, once per KV send, after the value digest and before the checksums.
+    TRANSFER_SOURCE_KV = "transfer.source_kv"
+    # Decode side, once per reservation whose KV will arrive: where its blocks land.
+    TRANSFER_RECV_MAP = "transfer.recv_map"
 
 
 class FaultKind(enum.StrEnum):
@@ -70,18 +78,24 @@ class FaultKind(enum.StrEnum):
     CLOSE = "close"
     STALL = "stall"
     CRASH = "crash"
+    SHIFT = "shift"
 
 
-# Actions that damage bytes need a byte stream to damage.
+# Actions that damage bytes need a byte stream (or KV memory) to damage.
 _WIRE_ONLY = frozenset({FaultKind.DROP, FaultKind.CORRUPT, FaultKind.TRUNCATE})
 _NEEDS_OFFSET = frozenset({FaultKind.CORRUPT, FaultKind.TRUNCATE})
-_CONTROL_ACTIONS = tuple(k for k in FaultKind if k not in _WIRE_ONLY)
+_CONTROL_ACTIONS = tuple(k for k in FaultKind if k not in _WIRE_ONLY and k is not FaultKind.SHIFT)
+_SITE_ACTIONS: dict[FaultSite, tuple[FaultKind, ...]] = {
+    FaultSite.TRANSFER_SEND: tuple(k for k in FaultKind if k is not FaultKind.SHIFT),
+    FaultSite.TRANSFER_SOURCE_KV: (FaultKind.CORRUPT,),
+    FaultSite.TRANSFER_RECV_MAP: (FaultKind.SHIFT,),
+}
 DEFAULT_DELAY_S = 0.5
 
 
 def allowed_actions(site: FaultSite) -> tuple[FaultKind, ...]:
     """The actions a site supports."""
-    return tuple(FaultKind) if site is FaultSite.TRANSFER_SEND else _CONTROL_ACTIONS
+    return _SITE_ACTIONS.get(site, _CONTROL_ACTIONS)
 
 
 class _BadRule(ConfigError):

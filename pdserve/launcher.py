@@ -25,6 +25,7 @@ from pathlib import Path
 from types import FrameType
 from urllib.request import urlopen
 
+from pdserve.auth.secret import ENV_VAR, new_secret_text, write_secret_file
 from pdserve.errors import ConfigError, PdserveError
 
 
@@ -85,8 +86,17 @@ def worker_threads(num_workers: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, num_workers))
 
 
-def spawn_child(name: str, args: list[str], workdir: Path, threads: int | None = None) -> Child:
+def spawn_child(
+    name: str,
+    args: list[str],
+    workdir: Path,
+    threads: int | None = None,
+    secret: str | None = None,
+) -> Child:
     """Start `python -m ARGS --ready-file F` in its own session, logging to WORKDIR/NAME.log.
+
+    `secret` is the cluster secret, handed over in the environment (`PDSERVE_CLUSTER_SECRET`),
+    never on the command line, where `ps` would show it.
 
     `threads` sets the child's OMP_NUM_THREADS unless the caller's environment already does:
     torch starts one intra-op thread per core in every process, and several engines on one
@@ -97,6 +107,8 @@ def spawn_child(name: str, args: list[str], workdir: Path, threads: int | None =
     env = dict(os.environ)
     if threads is not None:
         env.setdefault("OMP_NUM_THREADS", str(threads))
+    if secret is not None:
+        env[ENV_VAR] = secret
     log = open(workdir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the child's lifetime
     proc = subprocess.Popen(
         [sys.executable, "-m", *args, "--ready-file", str(ready)],
@@ -151,6 +163,10 @@ class Cluster:
         self.children: list[Child] = []
         self.workdir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
         self.router_url: str | None = None
+        # One secret per cluster (the caller's PDSERVE_CLUSTER_SECRET if set), readable by this
+        # user only in the work folder, so `pdserve status` and friends can sign calls.
+        self.secret = os.environ.get(ENV_VAR) or new_secret_text()
+        write_secret_file(self.workdir / "cluster-secret", self.secret)
 
     def _worker_args(self, role: str, name: str) -> list[str]:
         c = self.config
@@ -166,7 +182,8 @@ class Cluster:
         names += [(f"decode-{i}", "both") for i in range(c.num_decode)]
         threads = worker_threads(len(names))
         workers = [
-            spawn_child(n, self._worker_args(role, n), self.workdir, threads) for n, role in names
+            spawn_child(n, self._worker_args(role, n), self.workdir, threads, self.secret)
+            for n, role in names
         ]
         self.children.extend(workers)
         for w in workers:
@@ -177,7 +194,7 @@ class Cluster:
         args += ["--model", c.model] if c.model else []
         args += ["--api-key", c.api_key] if c.api_key else []
         args += list(c.router_args)
-        router = spawn_child("router", args, self.workdir)
+        router = spawn_child("router", args, self.workdir, secret=self.secret)
         self.children.append(router)
         self.router_url = router.url = wait_child_ready(router, deadline)
         state = {

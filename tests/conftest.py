@@ -1,4 +1,5 @@
-"""Shared fixtures: the tiny default model, built once per test session into a temp cache."""
+"""Shared fixtures: the tiny default model, built once per test session into a temp cache;
+and the test cluster's secret, in the environment of every process a test starts."""
 
 from __future__ import annotations
 
@@ -6,6 +7,11 @@ import os
 from pathlib import Path
 
 import pytest
+from cluster_auth import TEST_SECRET
+
+from pdserve.auth.secret import ENV_VAR
+
+os.environ[ENV_VAR] = TEST_SECRET
 
 
 @pytest.fixture(scope="session")

@@ -13,9 +13,12 @@ import os
 import signal
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from pdserve.auth.secret import ENV_VAR, ClusterSecret, new_secret_text
+from pdserve.auth.signing import auth_headers
 from pdserve.bench.chaos_scenarios import (
     CHUNK_TIMEOUT_S,
     LEASE_TTL_S,
@@ -25,10 +28,16 @@ from pdserve.bench.chaos_scenarios import (
 from pdserve.launcher import Child, spawn_child, stop_children, wait_child_ready, worker_threads
 
 
-def http_json(url: str, body: object | None = None, timeout_s: float = 5.0) -> dict[str, object]:
-    """GET (or POST `body` as JSON to) `url` and decode the JSON answer."""
+def http_json(
+    url: str, body: object | None = None, timeout_s: float = 5.0, key: bytes | None = None
+) -> dict[str, object]:
+    """GET (or POST `body` as JSON to) `url` and decode the JSON answer; signed with `key`
+    (the cluster's "http" key) when given, as a worker's control calls must be."""
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    method = "GET" if data is None else "POST"
+    headers.update(auth_headers(key, method, urllib.parse.urlsplit(url).path, data or b""))
+    request = urllib.request.Request(url, data, headers, method=method)
     with urllib.request.urlopen(request, timeout=timeout_s) as resp:
         answer: dict[str, object] = json.loads(resp.read())
         return answer
@@ -52,6 +61,9 @@ class ChaosCluster:
         self._startup_timeout_s = startup_timeout_s
         self.workers: dict[str, Child] = {}
         self.router: Child | None = None
+        # The cluster's secret (the caller's PDSERVE_CLUSTER_SECRET if set, else a fresh one).
+        self.secret = os.environ.get(ENV_VAR) or new_secret_text()
+        self.http_key = ClusterSecret(self.secret.encode(), "chaos cluster").key("http")
         # The `model` clients name (the router's), known once it runs.
         self.model_name = ""
 
@@ -65,7 +77,11 @@ class ChaosCluster:
             args += ["--port", "0", "--kv-port", "0", "--worker-id", spec.name, *model]
             args += ["--enable-fault-admin", "--transfer-chunk-timeout-s", str(CHUNK_TIMEOUT_S)]
             self.workers[spec.name] = spawn_child(
-                spec.name, [*args, *spec.args], self.workdir, worker_threads(len(self.specs))
+                spec.name,
+                [*args, *spec.args],
+                self.workdir,
+                worker_threads(len(self.specs)),
+                self.secret,
             )
         for child in self.workers.values():
             child.url = wait_child_ready(child, deadline)
@@ -76,7 +92,9 @@ class ChaosCluster:
         args += ["--local-prefill-threshold", "0"]
         for child in self.workers.values():
             args += ["--worker", child.url or ""]
-        self.router = spawn_child("router", [*args, *self._router_args], self.workdir)
+        self.router = spawn_child(
+            "router", [*args, *self._router_args], self.workdir, secret=self.secret
+        )
         self.router.url = wait_child_ready(self.router, deadline)
         self.model_name = str(http_json(f"{self.router.url}/health")["model"])
         return self.router.url
@@ -118,7 +136,8 @@ class ChaosCluster:
 
     def set_faults(self, name: str, rules: tuple[str, ...], seed: int = 0) -> None:
         """Replace a worker's fault plan (POST /admin/faults)."""
-        http_json(f"{self.url(name)}/admin/faults", {"rules": list(rules), "seed": seed})
+        body = {"rules": list(rules), "seed": seed}
+        http_json(f"{self.url(name)}/admin/faults", body, key=self.http_key)
 
     def injected(self) -> list[str]:
         """Every fault the live workers report having fired, as "worker: site#hit action"."""
@@ -127,7 +146,7 @@ class ChaosCluster:
             if not self.alive(name):
                 continue
             try:
-                state = http_json(f"{self.url(name)}/admin/faults")
+                state = http_json(f"{self.url(name)}/admin/faults", key=self.http_key)
             except (OSError, urllib.error.URLError):
                 continue
             for item in state.get("injected", []):  # type: ignore[attr-defined]

@@ -17,6 +17,8 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
+import torch
+
 from pdserve.clock import Clock, MonotonicClock
 from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager
@@ -185,6 +187,15 @@ class Engine:
             )
         self.scheduler.mark_remote_kv_ready(request_id, first_token_id)
         self.get_request(request_id).first_token_ns = self.clock.now_ns()
+
+    def canary_logits(self, request_id: str) -> tuple[int, torch.Tensor]:
+        """(position, logits) of the request's last prompt position, recomputed from its
+        cached KV by a one-token forward (the KV canary, `engine/canary.py`)."""
+        request = self.get_request(request_id)
+        position = request.num_prompt_tokens - 1
+        table = self.block_manager.block_ids(request_id)
+        token = request.prompt_token_ids[position]
+        return position, self.runner.position_logits(list(table), token, position)
 
     def abort(self, request_id: str) -> None:
         """Stop the request and free every block it holds."""

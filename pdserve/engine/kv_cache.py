@@ -6,6 +6,10 @@ is the contiguous byte range `[b * block_bytes, (b + 1) * block_bytes)`. The tra
 and writes those ranges through `block_views`, which share memory with the tensor: no copy.
 Pages are touched at allocation (zeros), so the first transfer into a block does not pay the
 first-touch page faults.
+
+One extra block past `num_blocks` is scratch (`scratch_block_id`): never allocated to a request
+and never viewed by the transfer layer, it lets the KV canary compute a position without
+writing into blocks that requests own (see `engine/canary.py`).
 """
 
 from __future__ import annotations
@@ -33,12 +37,19 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
-        # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+        # [num_blocks + 1 (scratch), num_layers, 2, block_size, num_kv_heads, head_dim]
         self.tensor = torch.zeros(
-            num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim, dtype=TORCH_DTYPES[dtype]
+            num_blocks + 1,
+            num_layers,
+            2,
+            block_size,
+            num_kv_heads,
+            head_dim,
+            dtype=TORCH_DTYPES[dtype],
         )
+        self.scratch_block_id = num_blocks
         self._bytes = self.tensor.view(-1).view(torch.uint8).numpy()
-        self.block_bytes = self._bytes.nbytes // num_blocks
+        self.block_bytes = self._bytes.nbytes // (num_blocks + 1)
         # numpy arrays export the buffer protocol; the stubs do not say so.
         self._view = memoryview(self._bytes)  # type: ignore[arg-type]
 

@@ -59,3 +59,23 @@ class ModelRunner:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(logit_idx)])  # [N, vocab]
         return dict(zip(sampled_ids, sample(logits, rows), strict=True))
+
+    @torch.inference_mode()
+    def position_logits(self, block_table: list[int], token_id: int, position: int) -> torch.Tensor:
+        """Logits [vocab] of `token_id` at `position`, attending over the KV cached for
+        0..position-1 (the KV canary). The position's own K/V go to the scratch block, a copy
+        of the block that holds it, so no block a request owns is written."""
+        bs = self.kv_cache.block_size
+        index = position // bs
+        cache = self.kv_cache.tensor
+        scratch = self.kv_cache.scratch_block_id
+        cache[scratch].copy_(cache[block_table[index]])
+        table = [*block_table[:index], scratch]
+        meta = build_metadata([(table, position, position + 1)], bs)
+        hidden = self.model(
+            torch.tensor([token_id], dtype=torch.long),  # [1]
+            torch.tensor([position], dtype=torch.long),  # [1]
+            cache,
+            meta,
+        )
+        return self.model.compute_logits(hidden)[0]  # [vocab]

@@ -256,6 +256,75 @@ WORKER_KV_RECEIVED_CACHED_TOKENS = _spec(
     *_W,
 )
 
+# KV transports (which one each pair really uses; no silent downgrade): `worker.transport_stats`.
+WORKER_KV_TRANSPORT_BYTES = _spec(
+    "pdserve_worker_kv_transport_bytes_total",
+    "counter",
+    "KV bytes of completed transfers, by transport and direction (sent, received)",
+    *_W,
+    "transport",
+    "direction",
+)
+WORKER_KV_TRANSPORT_HANDOFFS = _spec(
+    "pdserve_worker_kv_transport_handoffs_total",
+    "counter",
+    "completed KV transfers, by transport and direction (sent, received)",
+    *_W,
+    "transport",
+    "direction",
+)
+WORKER_KV_TRANSPORT_DOWNGRADES = _spec(
+    "pdserve_worker_kv_transport_downgrades_total",
+    "counter",
+    "sends over a worse transport than the decode side offered, by what was given up and why",
+    *_W,
+    "wanted",
+    "used",
+    "reason",
+)
+WORKER_KV_SLOW_TRANSFERS = _spec(
+    "pdserve_worker_kv_slow_transfers_total",
+    "counter",
+    "completed transfers far below their transport's expected rate",
+    *_W,
+    "transport",
+)
+WORKER_KV_PAIR_THROUGHPUT = _spec(
+    "pdserve_worker_kv_pair_gigabytes_per_second",
+    "gauge",
+    "achieved KV rate per peer and transport (moving average over completed transfers)",
+    *_W,
+    "transport",
+    "peer",
+)
+# Fail-closed checks on the worker.
+WORKER_KV_CANARY = _spec(
+    "pdserve_worker_kv_canary_total",
+    "counter",
+    "received KV checked by value before the first token, by result (exact, tolerance,"
+    " mismatch, missing)",
+    *_W,
+    "result",
+)
+WORKER_KV_FENCED_WRITERS = _spec(
+    "pdserve_worker_kv_fenced_writers_total",
+    "counter",
+    "KV connections cancelled (and waited for) before their blocks were freed or re-sent",
+    *_W,
+)
+WORKER_AUTH_REFUSALS = _spec(
+    "pdserve_worker_auth_refusals_total",
+    "counter",
+    "control calls refused for their cluster credential (missing, forged, stale, replayed)",
+    *_W,
+)
+WORKER_ADMISSION_REFUSALS = _spec(
+    "pdserve_worker_admission_refusals_total",
+    "counter",
+    "requests refused with 503 because the waiting queue was full",
+    *_W,
+)
+
 ALL: tuple[MetricSpec, ...] = tuple(
     v for v in list(globals().values()) if isinstance(v, MetricSpec)
 )

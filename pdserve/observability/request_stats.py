@@ -9,28 +9,22 @@ shows, so a metric and a timeline can be checked against each other exactly:
     queue     RECEIVED → first RESERVED (disaggregated: the wait for a decode slot)
     prefill, transfer, handoff   `phases.handoff_phases` (last completed occurrence)
 
-Retries, fallbacks and migrations are read from the RETRYING (and RECEIVED) details that the
-flows write (`router/disagg.py`, `router/colocated.py`, `router/dispatcher.py`); the
-prefixes matched in `retry_reason` are that contract, and a router test drives each path
-through real flows so a changed wording fails there.
+Retries, fallbacks and migrations are read from the `Reason` the flows put on RETRYING (and,
+for the breaker, RECEIVED) transitions: an enum, never the detail text.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from pdserve.observability.phases import handoff_phases
+from pdserve.router.state import Reason, Transition
 from pdserve.router.state import RequestState as S
-from pdserve.router.state import Transition
 
 # The RECEIVED detail of a request the breaker sent colocated (router/dispatcher.py).
 BREAKER_DETAIL = "colocated: KV-path circuit breaker open"
-# `_resume` attempts: "{label} {n} failed: ..." with label "migration", "local prefill" or the
-# affinity path's "affinity: URL holds the prefix, local prefill of the suffix".
-_RESUME_FAILED = re.compile(r"^(migration|local prefill|affinity: .*) \d+ failed: ")
 
 
 class TimelineLike(Protocol):
@@ -64,23 +58,6 @@ class RequestStats:
     num_migrations: int = 0
 
 
-def retry_reason(detail: str, mode: str) -> str:
-    """A short, bounded label for a RETRYING transition's detail (a metric label)."""
-    if detail.startswith("local prefill: "):
-        return "local_prefill"
-    if detail.startswith("handoff failed, re-prefill"):
-        return "reprefill"
-    if detail.startswith("migrate after "):
-        return "migration"
-    if detail.startswith("prefill failed: "):
-        return "prefill_failed"
-    if _RESUME_FAILED.match(detail):
-        return "resume_failed"
-    # What is left is a refusal of the worker asked first (reservation, or /generate when
-    # colocated): its detail is the worker's error text, unbounded, so it is not the label.
-    return "reserve_refused" if mode == "disagg" else "worker_refused"
-
-
 def request_stats(timeline: TimelineLike) -> RequestStats:
     """The stats of a timeline (normally a terminal one)."""
     history = timeline.history
@@ -96,9 +73,11 @@ def request_stats(timeline: TimelineLike) -> RequestStats:
         tpot = (last - first_token) / 1e9 / (n - 1)
     reserved = next((t.monotonic_ns for t in history if t.state is S.RESERVED), None)
     queue = None if reserved is None else (reserved - received) / 1e9
-    retries = tuple(retry_reason(t.detail, timeline.mode) for t in history if t.state is S.RETRYING)
+    retries = tuple(
+        t.reason.value for t in history if t.state is S.RETRYING and t.reason is not None
+    )
     fallbacks = ["local_prefill"] * retries.count("local_prefill")
-    if history[0].detail.startswith(BREAKER_DETAIL):
+    if history[0].reason is Reason.BREAKER_OPEN:
         fallbacks.insert(0, "breaker_open")
     return RequestStats(
         ttft_s=ttft,

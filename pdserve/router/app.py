@@ -24,7 +24,13 @@ from aiohttp.typedefs import Middleware
 from pydantic import BaseModel, ValidationError
 
 from pdserve.clock import MonotonicClock
-from pdserve.errors import InvalidRequest, NoCapacity, WorkerCallError, WorkerUnreachable
+from pdserve.errors import (
+    ConfigError,
+    InvalidRequest,
+    NoCapacity,
+    WorkerCallError,
+    WorkerUnreachable,
+)
 from pdserve.faults import FaultInjector, parse_rules
 from pdserve.membership import open_membership
 from pdserve.model.config import load_config
@@ -34,12 +40,14 @@ from pdserve.router import debug_view
 from pdserve.router import metrics as metrics_mod
 from pdserve.router.affinity import AffinityPolicy
 from pdserve.router.breaker import CircuitBreaker
+from pdserve.router.capacity_queue import CapacityQueue
 from pdserve.router.colocated import ColocatedFlow
 from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.disagg import DisaggFlow
 from pdserve.router.dispatcher import Dispatcher
 from pdserve.router.flow import Flow
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.model_check import describe, model_mismatch, router_model_fields
 from pdserve.router.openai_api import OpenAIApi, error_body
 from pdserve.router.policy import (
     compatible_digest,
@@ -50,6 +58,7 @@ from pdserve.router.policy import (
 )
 from pdserve.router.pool import WorkerPool
 from pdserve.router.worker_client import ClientTimeouts, WorkerClient
+from pdserve.worker.protocol import WorkerHealth
 
 log = logging.getLogger(__name__)
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -166,6 +175,7 @@ class _Routes:
         ]
         mode = self._dispatcher.mode
         problems = pairing_problems(views, self._dispatcher.effective_mode)
+        problems += self._pool.model_problems()
         groups = [
             FingerprintGroupView(
                 digest=g.digest,
@@ -281,10 +291,24 @@ async def create_app(config: RouterConfig) -> web.Application:
     """The router application for `config`; call inside the running event loop."""
     tokenizer = Tokenizer(config.model)
     max_model_len = load_config(config.model).max_position_embeddings
+    model_fields = router_model_fields(config.model, tokenizer)
     membership = open_membership(config.discovery, config.workers)
     session = aiohttp.ClientSession()
-    client = WorkerClient(session, ClientTimeouts())
-    pool = WorkerPool((), client, config.health_poll_interval_s, membership=membership)
+    client = WorkerClient(session, ClientTimeouts(), key=config.http_key)
+    queue = CapacityQueue(config.recovery.max_queued)
+
+    def model_check(health: WorkerHealth) -> str | None:
+        diff = model_mismatch(model_fields, health.fingerprint)
+        return describe(diff) if diff else None
+
+    pool = WorkerPool(
+        (),
+        client,
+        config.health_poll_interval_s,
+        membership=membership,
+        model_check=model_check,
+        on_capacity=queue.notify,
+    )
     # One placement policy for both flows: a conversation keeps its worker across modes.
     affinity = AffinityPolicy(config.affinity)
     flows: dict[Mode, Flow] = {
@@ -299,8 +323,10 @@ async def create_app(config: RouterConfig) -> web.Application:
             if config.faults
             else None,
             affinity=affinity,
+            reservation_key=config.reservation_key,
+            queue=queue,
         ),
-        "colocated": ColocatedFlow(pool, client, affinity),
+        "colocated": ColocatedFlow(pool, client, affinity, on_end=queue.notify),
     }
     breaker = CircuitBreaker(config.breaker, MonotonicClock())
     metrics = RouterMetrics(breaker=breaker, workers=lambda: metrics_mod.worker_gauges(pool))
@@ -330,6 +356,14 @@ async def create_app(config: RouterConfig) -> web.Application:
 
     async def on_startup(_: web.Application) -> None:
         await pool.start()
+        problems = pool.model_problems()
+        if problems:
+            await pool.stop()
+            raise ConfigError(
+                f"model: the router serves {config.model} but "
+                + "; ".join(problems)
+                + " (start the router with the workers' --model, or fix the workers)"
+            )
 
     async def on_cleanup(_: web.Application) -> None:
         await pool.stop()

@@ -8,14 +8,16 @@
                 another probe may go
 
 `admit()` answers, per new request, whether it may take the disaggregated path; `record()`
-takes every handoff outcome. Transitions are kept (with reason and clock time) and counted, so
-health, metrics and logs show each one. Time comes only from the injected clock.
+takes every handoff outcome. Every transition is counted and handed to `on_transition` (the
+router logs each one there), and the last `max_history` are kept for health. Time comes only
+from the injected clock.
 """
 
 from __future__ import annotations
 
 import enum
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.clock import Clock
@@ -43,8 +45,16 @@ class BreakerTransition:
 class CircuitBreaker:
     """Counts handoff outcomes over a window and opens, probes and closes on them."""
 
-    def __init__(self, config: BreakerConfig, clock: Clock, max_history: int = 100) -> None:
+    def __init__(
+        self,
+        config: BreakerConfig,
+        clock: Clock,
+        max_history: int = 100,
+        on_transition: Callable[[BreakerTransition], None] | None = None,
+    ) -> None:
         self._config = config
+        # Told of every transition, however many (the history below is bounded).
+        self.on_transition = on_transition
         self._clock = clock
         self._window: deque[bool] = deque(maxlen=config.window)
         self.state = BreakerState.CLOSED
@@ -100,6 +110,9 @@ class CircuitBreaker:
         self._move(BreakerState.OPEN, reason)
 
     def _move(self, target: BreakerState, reason: str) -> None:
-        self.transitions.append(BreakerTransition(self.state, target, reason, self._clock.now()))
+        transition = BreakerTransition(self.state, target, reason, self._clock.now())
+        self.transitions.append(transition)
         self.counts[(self.state.value, target.value)] += 1
         self.state = target
+        if self.on_transition is not None:
+            self.on_transition(transition)

@@ -13,13 +13,14 @@ and a finished request is recorded there, so conversations stay on their worker.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 
 from pdserve.errors import NoCapacity, RouterError, WorkerCallError, WorkerUnreachable
 from pdserve.router.affinity import AffinityPolicy, RouteQuery
 from pdserve.router.config import AffinityConfig
 from pdserve.router.flow import FlowRequest, TokenChunk
 from pdserve.router.pool import WorkerPool
+from pdserve.router.state import Reason
 from pdserve.router.state import RequestState as S
 from pdserve.router.worker_client import WorkerClient
 from pdserve.worker.protocol import ErrorBody, GenerateRequest, TokenEvent
@@ -29,16 +30,31 @@ class ColocatedFlow:
     """Runs each request entirely on one worker of role `both`."""
 
     def __init__(
-        self, pool: WorkerPool, client: WorkerClient, affinity: AffinityPolicy | None = None
+        self,
+        pool: WorkerPool,
+        client: WorkerClient,
+        affinity: AffinityPolicy | None = None,
+        on_end: Callable[[], None] | None = None,
     ) -> None:
         self._pool = pool
         self._client = client
+        # Told when a request ends (its blocks are free again: the capacity queue listens).
+        self._on_end = on_end
         # Placement (shared with the disaggregated flow, so a conversation keeps its worker
         # across a mode switch); without one, plain least-load.
         self._affinity = affinity or AffinityPolicy(AffinityConfig(routing="load"))
 
     async def stream(self, request: FlowRequest) -> AsyncGenerator[TokenChunk, None]:
         """The request's tokens as the worker streams them."""
+        try:
+            async with contextlib.aclosing(self._stream(request)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            if self._on_end is not None:
+                self._on_end()
+
+    async def _stream(self, request: FlowRequest) -> AsyncGenerator[TokenChunk, None]:
         timeline = request.timeline
         tried: set[str] = set()
         query = RouteQuery(
@@ -63,6 +79,7 @@ class ColocatedFlow:
                 request_id=request.request_id,
                 prompt_token_ids=request.prompt_token_ids,
                 sampling=request.sampling,
+                deadline_s=request.remaining_s(),
             )
             settled = False
             with self._pool.inflight(url):
@@ -79,17 +96,16 @@ class ColocatedFlow:
                             if isinstance(exc, WorkerUnreachable):
                                 self._pool.mark_failed(url, str(exc))
                             tried.add(url)
-                            timeline.advance(S.RETRYING, str(exc))
+                            timeline.retry(Reason.WORKER_REFUSED, str(exc))
                             continue
                         timeline.advance(S.DECODING)
                         event: TokenEvent | None = first
                         while event is not None:
                             output.extend(event.token_ids)
                             if event.error is not None or event.finish_reason == "error":
+                                kind = event.error_type or "StreamError"
                                 raise WorkerCallError(
-                                    url,
-                                    500,
-                                    ErrorBody(error=event.error or "failed", type="StreamError"),
+                                    url, 500, ErrorBody(error=event.error or "failed", type=kind)
                                 )
                             if event.finished:
                                 settled = True

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from pdserve.auth.secret import ClusterSecret
 from pdserve.errors import ConfigError
 from pdserve.faults import parse_rules
 from pdserve.membership.uri import parse_discovery
@@ -172,6 +173,10 @@ class RouterConfig:
     # Fault-injection rules at the router's sites (`pdserve.faults` syntax), tests only.
     faults: tuple[str, ...] = ()
     fault_seed: int = 0
+    # The cluster credential it signs every worker call and reservation with; None only with
+    # `insecure_no_auth` (for workers started with --insecure-no-auth).
+    cluster_secret: ClusterSecret | None = None
+    insecure_no_auth: bool = False
 
     def __post_init__(self) -> None:
         parse_rules(self.faults)  # a bad rule fails at start, named
@@ -193,6 +198,22 @@ class RouterConfig:
             raise ConfigError(f"timeline-ring: must be >= 1, got {self.timeline_ring}")
         if self.health_poll_interval_s <= 0 or self.lease_ttl_s <= 0:
             raise ConfigError("health_poll_interval_s and lease_ttl_s must be > 0")
+        if self.cluster_secret is None and not self.insecure_no_auth:
+            raise ConfigError(
+                "cluster-secret-file: no cluster secret (give --cluster-secret-file PATH or set"
+                " PDSERVE_CLUSTER_SECRET, as for the workers; --insecure-no-auth for workers"
+                " that run without one)"
+            )
+
+    @property
+    def http_key(self) -> bytes | None:
+        """Key of worker control-call signatures."""
+        return None if self.cluster_secret is None else self.cluster_secret.key("http")
+
+    @property
+    def reservation_key(self) -> bytes | None:
+        """Key of the reservation signatures prefill workers check."""
+        return None if self.cluster_secret is None else self.cluster_secret.key("reservation")
 
     @property
     def model_name(self) -> str:

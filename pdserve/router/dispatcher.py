@@ -21,13 +21,13 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Mapping
 
-from pdserve.observability.request_stats import request_stats
+from pdserve.observability.request_stats import BREAKER_DETAIL, request_stats
 from pdserve.observability.timeline_log import TimelineEvent, emit
-from pdserve.router.breaker import BreakerState, CircuitBreaker
+from pdserve.router.breaker import BreakerState, BreakerTransition, CircuitBreaker
 from pdserve.router.config import Mode
 from pdserve.router.flow import Flow, FlowRequest, TokenChunk
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.state import RequestState, RequestTimeline, Transition
+from pdserve.router.state import Reason, RequestState, RequestTimeline, Transition
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,8 @@ class Dispatcher:
     ) -> None:
         self._mode = mode
         self.breaker = breaker
+        if breaker is not None:
+            breaker.on_transition = _log_breaker
         # None: no token stamps and no per-request metrics (JSON log lines still go out).
         self.metrics = metrics
         # Told of every request whose flow ended (OpenTelemetry spans); None: nothing.
@@ -70,9 +72,14 @@ class Dispatcher:
         history: list[Transition] = []
         if mode == "disagg" and self.breaker is not None and not self.breaker.admit():
             mode = "colocated"
-            detail = "colocated: KV-path circuit breaker open"
             history.append(
-                Transition(RequestState.RECEIVED, time.monotonic_ns(), time.time(), detail)
+                Transition(
+                    RequestState.RECEIVED,
+                    time.monotonic_ns(),
+                    time.time(),
+                    BREAKER_DETAIL,
+                    Reason.BREAKER_OPEN,
+                )
             )
         timeline = RequestTimeline(request_id, mode, history, on_transition=_log_transition)
         _log_transition(timeline, timeline.history[0])
@@ -93,17 +100,17 @@ class Dispatcher:
         return self._mode
 
     def record_kv_outcome(self, ok: bool, reason: str) -> None:
-        """One handoff's outcome, for the breaker; logs each breaker transition."""
-        if self.breaker is None:
-            return
-        before = len(self.breaker.transitions)
-        self.breaker.record(ok, reason)
-        for t in list(self.breaker.transitions)[before:]:
-            log.warning("circuit breaker %s -> %s: %s", t.source.value, t.target.value, t.reason)
+        """One handoff's outcome, for the breaker (which logs each of its transitions)."""
+        if self.breaker is not None:
+            self.breaker.record(ok, reason)
 
     def timeline(self, request_id: str) -> RequestTimeline | None:
         """A recent request's timeline, None if unknown or evicted."""
         return self._timelines.get(request_id)
+
+
+def _log_breaker(t: BreakerTransition) -> None:
+    log.warning("circuit breaker %s -> %s: %s", t.source.value, t.target.value, t.reason)
 
 
 def _log_transition(timeline: RequestTimeline, transition: Transition) -> None:

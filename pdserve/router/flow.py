@@ -10,6 +10,8 @@ moves the timeline to FINISHED before closing, so the flow records no failure.
 
 from __future__ import annotations
 
+import asyncio
+import math
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Protocol
@@ -30,6 +32,15 @@ class FlowRequest:
     # The conversation it continues (OpenAI `user` or `x-session-id`): affinity routing
     # prefers the worker that served the session's last turn.
     session_id: str | None = None
+    # When the whole request must have ended, in event-loop time (`loop.time()`): every call
+    # to a worker is bounded by it and tells the worker how long it still has.
+    deadline: float = math.inf
+
+    def remaining_s(self) -> float | None:
+        """Seconds left before the deadline (at least a millisecond); None without one."""
+        if math.isinf(self.deadline):
+            return None
+        return max(self.deadline - asyncio.get_running_loop().time(), 0.001)
 
 
 @dataclass(frozen=True, slots=True)

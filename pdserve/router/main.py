@@ -20,6 +20,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from pdserve.auth.secret import load_secret
 from pdserve.errors import PdserveError
 from pdserve.router.app import create_app
 from pdserve.router.config import (
@@ -111,6 +112,18 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-migrations", type=int, default=_RECOVERY.max_migrations)
     r.add_argument("--queue-timeout-s", type=float, default=_RECOVERY.queue_timeout_s)
     r.add_argument("--max-queued", type=int, default=_RECOVERY.max_queued)
+    sec = p.add_argument_group("security")
+    sec.add_argument(
+        "--cluster-secret-file",
+        type=Path,
+        default=None,
+        help="the cluster secret (else $PDSERVE_CLUSTER_SECRET): signs every worker call",
+    )
+    sec.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="talk to workers started with --insecure-no-auth (no credential)",
+    )
     return p
 
 
@@ -124,6 +137,8 @@ def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
     else:
         model = Path(args.model)
     return RouterConfig(
+        cluster_secret=load_secret(args.cluster_secret_file),
+        insecure_no_auth=args.insecure_no_auth,
         workers=tuple(args.worker),
         discovery=args.discovery,
         faults=tuple(args.fault),
@@ -172,7 +187,9 @@ def write_ready_file(path: Path, url: str) -> None:
 async def serve(config: RouterConfig) -> None:
     """Run the router until SIGTERM/SIGINT."""
     app = await create_app(config)
-    runner = web.AppRunner(app, handle_signals=False)
+    # handler_cancellation: a client that disconnects cancels its handler, and with it the
+    # request's flow, which releases what the workers hold (streaming or not).
+    runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()

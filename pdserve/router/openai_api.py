@@ -7,8 +7,12 @@ dispatcher → `OutputStream` (detokenization, stop strings, max_tokens) → one
 chunks ending in `data: [DONE]`.
 
 A streamed response's headers are sent only after the first token arrives, so "no capacity"
-and worker-side refusals are still proper HTTP statuses; an error after that is sent as a final
-`data: {"error": ...}` event. Whatever happens, closing the flow releases what the workers hold.
+and worker-side refusals are still proper HTTP statuses; anything that fails after that (a
+worker fault, the request's deadline) is sent as a final `data: {"error": ...}` event followed
+by `data: [DONE]` and a clean end of stream, never a status line written into the body. A
+client that disconnects (streaming or not) cancels its handler, and closing the flow releases
+what the workers hold. Every request has one deadline (`--request-timeout-s`) that bounds it
+end to end and that every worker call is told about.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from pdserve.errors import (
     InvalidRequest,
     ModelConfigError,
     NoCapacity,
+    PdserveError,
     RouterError,
     SamplingParamsError,
     WorkerCallError,
@@ -193,19 +198,20 @@ class OpenAIApi:
         mode = timeline.mode
         output = OutputStream(self._tokenizer, job.sampling, self._tokenizer.eos_token_ids)
         session_id = request.headers.get("x-session-id") or job.body.user
-        freq = FlowRequest(job.request_id, job.prompt_token_ids, job.sampling, timeline, session_id)
+        deadline = asyncio.get_running_loop().time() + self._config.request_timeout_s
+        freq = FlowRequest(
+            job.request_id, job.prompt_token_ids, job.sampling, timeline, session_id, deadline
+        )
         status = "error"
         try:
-            async with (
-                asyncio.timeout(self._config.request_timeout_s),
-                contextlib.aclosing(self._pieces(flow, freq, output)) as pieces,
-            ):
+            async with contextlib.aclosing(self._pieces(flow, freq, output)) as pieces:
                 if job.body.stream:
-                    resp = await self._stream(request, job, pieces, output)
+                    resp, status = await self._stream(request, job, pieces, output, deadline)
                 else:
-                    text = "".join([p.text async for p in pieces])
+                    async with asyncio.timeout_at(deadline):
+                        text = "".join([p.text async for p in pieces])
                     resp = _json(responses.whole(job, text, output))
-            status = "ok"
+                    status = "ok"
             return resp
         except NoCapacity:
             status = "no_capacity"
@@ -217,8 +223,9 @@ class OpenAIApi:
             timeline.fail(f"request timeout ({self._config.request_timeout_s} s)")
             status = "timeout"
             raise
-        except ConnectionResetError:
-            status = "cancelled"  # the client went away mid-stream
+        except (ConnectionResetError, asyncio.CancelledError):
+            status = "cancelled"  # the client went away: the flow was closed, holds released
+            timeline.fail("client disconnected")
             raise
         finally:
             self._metrics.count_request(mode, status)
@@ -252,15 +259,19 @@ class OpenAIApi:
         job: Job,
         pieces: AsyncGenerator[_Piece, None],
         output: OutputStream,
-    ) -> web.StreamResponse:
+        deadline: float,
+    ) -> tuple[web.StreamResponse, str]:
+        """The SSE response and the request's status for the metrics."""
         # Wait for the first token before committing to a 200, so early errors keep a status.
-        first = await anext(pieces)
+        async with asyncio.timeout_at(deadline):
+            first = await anext(pieces)
         resp = web.StreamResponse(headers={"Content-Type": sse.CONTENT_TYPE})
         await resp.prepare(request)
         if job.kind == "chat":
             role = responses.chat_chunk(job, ChatDelta(role="assistant"))
             await resp.write(sse.encode_event(role))
         piece: _Piece | None = first
+        status = "ok"
         try:
             while piece is not None:
                 if (
@@ -272,15 +283,32 @@ class OpenAIApi:
                     await resp.write(sse.encode_event(body))
                 if piece.finish_reason is not None:
                     break
-                piece = await anext(pieces, None)
-        except RouterError as exc:
+                async with asyncio.timeout_at(deadline):
+                    piece = await anext(pieces, None)
+        except TimeoutError:
+            status = "timeout"
+            message = f"request timed out after {self._config.request_timeout_s} s"
+            job_timeline = self._dispatcher.timeline(job.request_id)
+            if job_timeline is not None:
+                job_timeline.fail(message)
+            await resp.write(sse.encode_event(error_body(message, "timeout", code="timeout")))
+        except PdserveError as exc:
+            # Headers are out: the failure becomes the stream's last event, never a status.
+            status = "no_capacity" if isinstance(exc, NoCapacity) else "error"
             await resp.write(sse.encode_event(error_body(str(exc), "server_error")))
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        except Exception:
+            log.exception("request %s failed after its headers", job.request_id)
+            status = "error"
+            body = error_body("internal router error (see the router log)", "server_error")
+            await resp.write(sse.encode_event(body))
         else:
             if job.body.include_usage:
                 await resp.write(sse.encode_event(responses.usage_chunk(job, output)))
         await resp.write(sse.DONE)
         await resp.write_eof()
-        return resp
+        return resp, status
 
 
 _M = TypeVar("_M", bound=BaseModel)

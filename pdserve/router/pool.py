@@ -19,6 +19,10 @@ Each health poll is also a clock echo: the worker's answer carries its monotonic
 the pool keeps a `ClockSync` per worker (`clock_offset_ns`) so the router can place worker
 timeline events on its own clock.
 
+A worker that runs another model than the router's (`model_check` says what differs) is
+never healthy, whatever it answers: its problem is kept for the router's /health. A poll that
+sees a decode worker's free blocks grow tells `on_capacity` (the capacity queue's wake-up).
+
 The pool knows nothing about requests or modes; `snapshot()` hands the policy an immutable view.
 """
 
@@ -28,7 +32,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from pdserve.errors import RouterError
@@ -51,6 +55,8 @@ class _Entry:
     num_inflight: int = 0
     last_error: str | None = None
     clock: ClockSync = field(default_factory=ClockSync)
+    # Why the worker is not the router's model (None: it is, or not polled yet).
+    model_problem: str | None = None
 
     @property
     def url(self) -> str:
@@ -66,6 +72,8 @@ class WorkerPool:
         client: WorkerClient,
         poll_interval_s: float = 1.0,
         membership: Membership | None = None,
+        model_check: Callable[[WorkerHealth], str | None] | None = None,
+        on_capacity: Callable[[], None] | None = None,
     ) -> None:
         self._entries: dict[str, _Entry] = {}
         # Never reused: a worker that leaves and joins again sorts after every earlier one.
@@ -75,6 +83,8 @@ class WorkerPool:
         self._client = client
         self._poll_interval_s = poll_interval_s
         self._membership = membership
+        self._model_check = model_check
+        self._on_capacity = on_capacity
         self._task: asyncio.Task[None] | None = None
         self._join_polls: set[asyncio.Task[None]] = set()
 
@@ -167,9 +177,18 @@ class WorkerPool:
                 received_ns,
                 remote_sent_ns=health.monotonic_ns,
             )
+        if self._model_check is not None:
+            entry.model_problem = self._model_check(health)
+            if entry.model_problem is not None:
+                entry.health, entry.healthy = health, False
+                entry.last_error = entry.model_problem
+                return
+        before = entry.health.num_free_blocks if entry.health is not None else None
         entry.health = health
         entry.healthy = True
         entry.last_error = None
+        if self._on_capacity is not None and before is not None and health.num_free_blocks > before:
+            self._on_capacity()
 
     async def _poll_forever(self) -> None:
         while True:
@@ -194,6 +213,14 @@ class WorkerPool:
         """The clock estimate of a member worker (it has no sample before its first poll)."""
         entry = self._entries.get(url)
         return None if entry is None else entry.clock
+
+    def model_problems(self) -> list[str]:
+        """Workers that run another model than the router's, each with what differs."""
+        return [
+            f"worker {e.url} runs another model: {e.model_problem}"
+            for e in self._entries.values()
+            if e.model_problem is not None
+        ]
 
     def last_error(self, url: str) -> str | None:
         """The last poll or call failure recorded for `url`."""

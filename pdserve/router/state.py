@@ -5,7 +5,8 @@ Disaggregated life cycle (DESIGN.md):
     RECEIVED → ROUTED → RESERVED → PREFILLING → PREFILLED → TRANSFERRING → COMMITTED
       → DECODING → FINISHED
     any live state → RETRYING (→ RETRYING: the next recovery step) → an earlier state (ROUTED,
-      RESERVED, PREFILLING), or → FAILED
+      RESERVED, PREFILLING), or → FAILED. RECEIVED → RETRYING too: a recovery may begin
+      before anything was routed (no prefill worker is usable: the decode side prefills).
 
 Colocated life cycle: RECEIVED → ROUTED → DECODING (the worker generates everything) → FINISHED.
 
@@ -13,6 +14,9 @@ PREFILLED → FINISHED is allowed because the first token may already end the re
 (max_tokens == 1, EOS). TRANSFERRING starts when the router asks the decode worker to stream
 (the worker waits for verified KV); COMMITTED is recorded when the decode worker accepts the
 stream, DECODING at its first token.
+
+Every RETRYING transition carries a `Reason` (an enum: metrics and policies read it, never the
+detail text, which is for people).
 
 Pure: no I/O. An illegal transition raises `IllegalRequestTransition` and changes nothing.
 """
@@ -43,11 +47,33 @@ class RequestState(enum.Enum):
     FAILED = "failed"
 
 
+class Reason(enum.Enum):
+    """Why a request left its path (a RETRYING transition; the breaker's on RECEIVED)."""
+
+    # A decode worker refused the reservation (full, or unreachable): the next one is tried.
+    RESERVE_REFUSED = "reserve_refused"
+    # Colocated: a worker refused /generate before its first token: the next one is tried.
+    WORKER_REFUSED = "worker_refused"
+    # A prefill attempt failed on the prefill side: another prefill worker is tried.
+    PREFILL_FAILED = "prefill_failed"
+    # The handoff failed before the decode side committed (transfer, KV check, reservation
+    # lost): a fresh reservation and prefill elsewhere.
+    REPREFILL = "reprefill"
+    # No prefill worker could do it: the decode side recomputes the prompt itself.
+    LOCAL_PREFILL = "local_prefill"
+    # The decode side died mid-stream: another decode worker resumes after the sent tokens.
+    MIGRATION = "migration"
+    # A local prefill or migration stream failed: the next decode worker is tried.
+    RESUME_FAILED = "resume_failed"
+    # The KV-path circuit breaker was open: the request runs colocated (RECEIVED's reason).
+    BREAKER_OPEN = "breaker_open"
+
+
 S = RequestState
 TERMINAL: frozenset[RequestState] = frozenset({S.FINISHED, S.FAILED})
 # Every allowed transition, in one place. FAILED is reachable from every live state.
 TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
-    S.RECEIVED: frozenset({S.ROUTED, S.FAILED}),
+    S.RECEIVED: frozenset({S.ROUTED, S.RETRYING, S.FAILED}),
     S.ROUTED: frozenset({S.RESERVED, S.DECODING, S.RETRYING, S.FAILED}),
     S.RESERVED: frozenset({S.PREFILLING, S.RETRYING, S.FAILED}),
     S.PREFILLING: frozenset({S.PREFILLED, S.RETRYING, S.FAILED}),
@@ -74,8 +100,10 @@ class Transition:
     state: RequestState
     monotonic_ns: int
     wall_time_s: float
-    # Why: the worker chosen, the retry reason, the error; "" when nothing to add.
+    # Why, for people: the worker chosen, the error; "" when nothing to add.
     detail: str = ""
+    # Why, for programs: set on every RETRYING transition (and a breaker fallback).
+    reason: Reason | None = None
 
 
 @dataclass(slots=True)
@@ -107,11 +135,14 @@ class RequestTimeline:
         """True once FINISHED or FAILED."""
         return self.state in TERMINAL
 
-    def advance(self, target: RequestState, detail: str = "") -> None:
-        """Move to `target`; raises IllegalRequestTransition (state unchanged) if not allowed."""
+    def advance(self, target: RequestState, detail: str = "", reason: Reason | None = None) -> None:
+        """Move to `target`; raises IllegalRequestTransition (state unchanged) if not allowed,
+        or ValueError for a RETRYING without its reason."""
         if not can_transition(self.state, target):
             raise IllegalRequestTransition(self.request_id, self.state.name, target.name)
-        transition = Transition(target, time.monotonic_ns(), time.time(), detail)
+        if target is S.RETRYING and reason is None:
+            raise ValueError(f"request {self.request_id}: RETRYING needs a Reason")
+        transition = Transition(target, time.monotonic_ns(), time.time(), detail, reason)
         self.history.append(transition)
         if self.on_transition is not None:
             self.on_transition(self, transition)
@@ -128,6 +159,10 @@ class RequestTimeline:
         self.last_token_ns = now_ns
         self.num_output_tokens += num_tokens
         return None if previous is None else (now_ns - previous) / 1e9 / num_tokens
+
+    def retry(self, reason: Reason, detail: str = "") -> None:
+        """Record a recovery step (RETRYING with its reason)."""
+        self.advance(S.RETRYING, detail, reason)
 
     def fail(self, detail: str) -> None:
         """Move to FAILED unless already terminal (cleanup paths call this unconditionally)."""

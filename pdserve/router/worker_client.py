@@ -1,8 +1,10 @@
 """Typed client for the worker control API (`pdserve.worker.protocol`), over one session.
 
-Every call takes and returns protocol models; nothing untyped crosses this boundary. Unary calls
-run under a total timeout; streams (`decode`, `generate`) under a per-read timeout instead,
-since a long generation is legitimately long but a silent worker is not. A non-2xx answer
+Every call takes and returns protocol models; nothing untyped crosses this boundary, and every
+call carries the cluster credential (`X-Pdserve-Auth`, signed with the "http" key). Unary calls
+run under a total timeout (never past the request's deadline when the caller gives the time it
+has left); streams (`decode`, `generate`) under a per-read timeout instead, since a long
+generation is legitimately long but a silent worker is not. A non-2xx answer
 raises `WorkerCallError` carrying the worker's `ErrorBody`; a connection failure or timeout
 raises `WorkerUnreachable`. Streams are async generators: close them (`contextlib.aclosing`)
 to drop the HTTP connection, which is how the router abandons a stream.
@@ -19,6 +21,7 @@ from typing import Any, TypeVar
 import aiohttp
 from pydantic import BaseModel, ValidationError
 
+from pdserve.auth.signing import auth_headers
 from pdserve.errors import RouterError, WorkerCallError, WorkerUnreachable
 from pdserve.worker.protocol import (
     DecodeRequest,
@@ -57,9 +60,16 @@ class ClientTimeouts:
 class WorkerClient:
     """Calls workers by base URL ("http://127.0.0.1:PORT") over a shared ClientSession."""
 
-    def __init__(self, session: aiohttp.ClientSession, timeouts: ClientTimeouts) -> None:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        timeouts: ClientTimeouts,
+        key: bytes | None = None,
+    ) -> None:
+        """`key` signs every call (the cluster secret's "http" key; None: an insecure cluster)."""
         self._session = session
         self._timeouts = timeouts
+        self._key = key
         # Cleanup releases in flight; held so they are not garbage-collected mid-call.
         self._cleanups: set[asyncio.Task[None]] = set()
         # Token streams and control calls open per worker URL, so `abandon` can cut them.
@@ -110,13 +120,19 @@ class WorkerClient:
         path = f"/debug/requests/{request_id}"
         return await self._get(url, path, WorkerEvents, self._timeouts.health_s)
 
-    async def reserve(self, url: str, request: ReserveRequest) -> Reservation:
+    async def reserve(
+        self, url: str, request: ReserveRequest, remaining_s: float | None = None
+    ) -> Reservation:
         """POST /reserve: a decode slot and blocks for a transfer."""
-        return await self._post(url, "/reserve", request, Reservation, self._timeouts.control_s)
+        timeout = _within(self._timeouts.control_s, remaining_s)
+        return await self._post(url, "/reserve", request, Reservation, timeout)
 
-    async def prefill(self, url: str, request: PrefillRequest) -> PrefillResult:
+    async def prefill(
+        self, url: str, request: PrefillRequest, remaining_s: float | None = None
+    ) -> PrefillResult:
         """POST /prefill: the first token; the KV goes to the reservation afterwards."""
-        return await self._post(url, "/prefill", request, PrefillResult, self._timeouts.prefill_s)
+        timeout = _within(self._timeouts.prefill_s, remaining_s)
+        return await self._post(url, "/prefill", request, PrefillResult, timeout)
 
     async def renew(self, url: str, request: RenewRequest) -> RenewResult:
         """POST /renew: extend a reservation's lease while its prefill runs."""
@@ -149,8 +165,9 @@ class WorkerClient:
 
     async def _get(self, url: str, path: str, model: type[_M], timeout_s: float) -> _M:
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self._timeouts.connect_s)
+        headers = auth_headers(self._key, "GET", path, b"")
         try:
-            async with self._session.get(url + path, timeout=timeout) as resp:
+            async with self._session.get(url + path, timeout=timeout, headers=headers) as resp:
                 return await _parse(url, resp, model)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise WorkerUnreachable(url, f"GET {path}: {exc!r}") from exc
@@ -164,8 +181,9 @@ class WorkerClient:
         self, url: str, path: str, body: BaseModel, model: type[_M], timeout_s: float
     ) -> _M:
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self._timeouts.connect_s)
-        data = body.model_dump_json()
+        data = body.model_dump_json().encode()
         headers = {"Content-Type": "application/json"}
+        headers.update(auth_headers(self._key, "POST", path, data))
         try:
             async with self._session.post(
                 url + path, data=data, headers=headers, timeout=timeout
@@ -182,10 +200,12 @@ class WorkerClient:
             sock_connect=self._timeouts.connect_s,
             sock_read=self._timeouts.stream_read_s,
         )
+        data = body.model_dump_json().encode()
         headers = {"Content-Type": "application/json"}
+        headers.update(auth_headers(self._key, "POST", path, data))
         try:
             async with self._session.post(
-                url + path, data=body.model_dump_json(), headers=headers, timeout=timeout
+                url + path, data=data, headers=headers, timeout=timeout
             ) as resp:
                 if resp.status >= 300:
                     await _raise_error(url, resp)
@@ -200,6 +220,11 @@ class WorkerClient:
                         del self._streams[url]
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise WorkerUnreachable(url, f"POST {path} stream: {exc!r}") from exc
+
+
+def _within(timeout_s: float, remaining_s: float | None) -> float:
+    """A call's timeout, never past the request's deadline."""
+    return timeout_s if remaining_s is None else max(min(timeout_s, remaining_s), 0.001)
 
 
 async def _lines(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:

@@ -2,10 +2,16 @@
 
 One transfer attempt, sender (S) and receiver (R):
 
-    S: Hello → R: Hello (or Nack: fingerprint / version)
-    S: Begin → R: Ack(BEGIN) (or Nack: token / plan; or Ack(COMMIT) if already committed)
+    S: Hello → R: Hello (or Nack: cluster credential / fingerprint / version)
+    S: Begin → R: Ack(BEGIN) (or Nack: token / epoch / plan; or Ack(COMMIT) if committed)
     S: Chunk + data, Chunk + data, …          (R: Nack on the first bad chunk)
     S: Commit → R: Ack(COMMIT) (or Nack: digest / counts)
+
+Version 2 (this one): chunks are byte ranges of the transfer's payload (its blocks laid end to
+end), so a block larger than a frame travels as several chunks; Hello carries a MAC under the
+cluster secret (both directions, so each side knows the other is a cluster member before any KV
+moves); Begin carries the reservation's lease epoch (a sender fenced by a newer grant is
+refused); Commit carries the prefill side's value digest of the KV (the canary, opaque here).
     S: Renew  → R: Ack(RENEW) at any point while the attempt is open; either side: Abort
 
 Every message is a frozen slots dataclass. Its `WIRE` tuple lists `(field, codec)` pairs in
@@ -47,13 +53,17 @@ from pdserve.transfer.wire import (
     write_fields,
 )
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 TRANSFER_ID_BYTES = 16
 MIN_TOKEN_BYTES = 16
 MAX_TOKEN_BYTES = 32
 TOKEN_DIGEST_BYTES = 16
 MAX_REQUEST_ID_BYTES = 256
 MAX_TEXT_BYTES = 2048
+# HMAC-SHA256 tag of a Hello under the cluster secret; empty where no secret is configured.
+HELLO_AUTH_BYTES = 32
+# The Commit's value digest (an opaque canary the decode side recomputes and compares).
+MAX_VALUE_DIGEST_BYTES = 255
 
 
 class MsgType(IntEnum):
@@ -101,6 +111,8 @@ class NackCode(IntEnum):
     ALREADY_COMMITTED = 11
     # No reservation is waiting for this transfer id (never made, expired or cancelled).
     UNKNOWN_TRANSFER = 12
+    # The peer's Hello carries no valid MAC under the cluster secret.
+    UNAUTHENTICATED = 13
 
 
 # Damage in flight (checksums, lost frames) is worth a resend; a refusal on identity is not.
@@ -130,6 +142,11 @@ class KVLayout:
         ("block_size", UInt(32, lo=1)),
     )
 
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of the whole transfer: its blocks laid end to end."""
+        return self.num_blocks * self.block_bytes
+
 
 @dataclass(frozen=True, slots=True)
 class Hello:
@@ -139,12 +156,15 @@ class Hello:
     role: Role
     # Normalised to a read-only mapping; compared field by field at the handshake.
     fingerprint: Mapping[str, FingerprintValue]
+    # `hello_mac` of this Hello under the cluster secret (b"" when the cluster has none).
+    auth: bytes = b""
 
     TYPE: ClassVar[MsgType] = MsgType.HELLO
     WIRE: ClassVar[Schema] = (
         ("protocol_version", UInt(16)),
         ("role", EnumU8(Role)),
         ("fingerprint", Fingerprint()),
+        ("auth", Bytes(0, HELLO_AUTH_BYTES)),
     )
 
     def __post_init__(self) -> None:
@@ -165,6 +185,9 @@ class Begin:
     num_tokens: int
     token_digest: bytes  # token_digest(prompt token ids)
     capability_token: bytes  # 16..32 bytes handed out with the decode reservation
+    # Fencing token of the reservation's lease on the decode side: a Begin naming an older
+    # epoch comes from a sender that outlived its grant and is refused.
+    epoch: int = 0
 
     TYPE: ClassVar[MsgType] = MsgType.BEGIN
     WIRE: ClassVar[Schema] = (
@@ -175,21 +198,26 @@ class Begin:
         ("num_tokens", UInt(32)),
         ("token_digest", Bytes(TOKEN_DIGEST_BYTES, TOKEN_DIGEST_BYTES)),
         ("capability_token", Bytes(MIN_TOKEN_BYTES, MAX_TOKEN_BYTES)),
+        ("epoch", UInt(64)),
     )
 
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
-    """Blocks `[first_block, first_block + num_blocks)` of the transfer; data follows the body."""
+    """Bytes `[offset, offset + num_bytes)` of the transfer's payload; data follows the body.
 
-    first_block: int
-    num_blocks: int
+    The payload is the transfer's blocks laid end to end (`layout.num_blocks * block_bytes`
+    bytes): a chunk may cover part of one block, or the end of one and the start of the next.
+    """
+
+    offset: int
+    num_bytes: int
     payload_checksum: int  # xxh3_64 of the frame's data; equals the header's data checksum
 
     TYPE: ClassVar[MsgType] = MsgType.CHUNK
     WIRE: ClassVar[Schema] = (
-        ("first_block", UInt(32)),
-        ("num_blocks", UInt(32, lo=1)),
+        ("offset", UInt(64)),
+        ("num_bytes", UInt(32, lo=1)),
         ("payload_checksum", UInt(64)),
     )
 
@@ -201,12 +229,16 @@ class Commit:
     total_digest: int  # commit_digest(every chunk), see there
     num_chunks: int
     num_bytes: int
+    # The sender's digest of what the KV computes (the worker's canary); b"": none. Opaque to
+    # the transfer layer: the decode worker recomputes and compares it before its first token.
+    value_digest: bytes = b""
 
     TYPE: ClassVar[MsgType] = MsgType.COMMIT
     WIRE: ClassVar[Schema] = (
         ("total_digest", UInt(64)),
         ("num_chunks", UInt(32)),
         ("num_bytes", UInt(64)),
+        ("value_digest", Bytes(0, MAX_VALUE_DIGEST_BYTES)),
     )
 
 
@@ -300,19 +332,17 @@ def token_digest(token_ids: Sequence[int]) -> bytes:
     return xxhash.xxh3_128_digest(packed)
 
 
-_CHUNK_RECORD = struct.Struct("<IIQ")
+_CHUNK_RECORD = struct.Struct("<QIQ")
 
 
 def commit_digest(chunks: Iterable[Chunk]) -> int:
-    """The Commit's total digest: xxh3_64 over (first_block, num_blocks, payload_checksum).
+    """The Commit's total digest: xxh3_64 over (offset, num_bytes, payload_checksum) records.
 
-    Records are taken in ascending block order, so the digest covers all data in order: each
+    Records are taken in ascending offset order, so the digest covers all data in order: each
     record's checksum covers its chunk's bytes, and the records pin every chunk's place. Both
     sides compute it from chunk metadata alone, without a second pass over the KV bytes.
     """
     hasher = xxhash.xxh3_64()
-    for chunk in sorted(chunks, key=lambda c: c.first_block):
-        hasher.update(
-            _CHUNK_RECORD.pack(chunk.first_block, chunk.num_blocks, chunk.payload_checksum)
-        )
+    for chunk in sorted(chunks, key=lambda c: c.offset):
+        hasher.update(_CHUNK_RECORD.pack(chunk.offset, chunk.num_bytes, chunk.payload_checksum))
     return hasher.intdigest()

@@ -283,14 +283,19 @@ async def serve_nixl(
     host: str = "127.0.0.1",
     port: int = 0,
     config: NixlConfig | None = None,
+    *,
+    handshake_timeout_s: float | None = None,
+    max_connections: int | None = None,
 ) -> TcpServer:
     """Serve NIXL streams: each accepted control connection is upgraded, then handled."""
 
     async def upgrade(control: ByteStream) -> None:
-        stream = await connect_nixl(control, config)
+        # A peer that never finishes the handshake must not hold an inbox for long.
+        async with asyncio.timeout(handshake_timeout_s):
+            stream = await connect_nixl(control, config)
         try:
             await handler(stream)
         finally:
             await stream.aclose()
 
-    return await serve_tcp(upgrade, host, port)
+    return await serve_tcp(upgrade, host, port, max_connections=max_connections)

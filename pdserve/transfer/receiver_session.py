@@ -10,11 +10,14 @@ One session per transfer id, across all its attempts. Life cycle (the table is t
     Abort (either side) → ABORTED
 
 Checks, each refused with a Nack naming the field, a local typed error, and FAILED:
-Hello: protocol version and fingerprint (FingerprintMismatch lists every differing field).
+Hello: the cluster MAC first (`cluster_key` set: Unauthenticated, nothing else is looked at),
+protocol version and fingerprint (FingerprintMismatch lists every differing field).
 Begin: capability token first (Unauthorized: nothing else is looked at or accepted), the
-reservation's lease (`guard`), then layout, request, tokens and snapshot against the plan.
+reservation's lease epoch (StaleLease: a sender fenced by a newer grant), the lease itself
+(`guard`), then layout, request, tokens and snapshot against the plan.
 Chunk: lease, data length, in bounds, no overlap; its data: payload checksum.
-Commit: lease, every block covered, chunk and byte counts, total digest.
+Commit: lease, every byte covered, chunk and byte counts, total digest; its value digest (the
+canary) is kept for the owner, which checks it by recomputation.
 
 Invariants:
 - `verified` is True only after a Commit matched everything received in the same attempt.
@@ -23,7 +26,7 @@ Invariants:
 - Replies are returned by `receive`; when `receive` raises, its Nack stays queued for
   `take_outgoing`.
 
-It knows messages and block indices within the transfer; not sockets, KV memory or schedulers
+It knows messages and byte offsets within the transfer; not sockets, KV memory or schedulers
 (lease checks arrive as callbacks).
 """
 
@@ -42,6 +45,8 @@ from pdserve.errors import (
     PdserveError,
     ProtocolError,
     StaleAttempt,
+    StaleLease,
+    Unauthenticated,
     Unauthorized,
     UnsupportedVersion,
 )
@@ -69,6 +74,7 @@ from pdserve.transfer.session import (
     FingerprintMap,
     Outbound,
     fingerprint_diff,
+    hello_mac,
     transition,
 )
 
@@ -83,6 +89,8 @@ class ReceivePlan:
     request_id: str | None = None
     num_tokens: int | None = None
     token_digest: bytes | None = None
+    # The reservation lease's epoch; a Begin naming another one is refused.
+    epoch: int | None = None
 
 
 class ReceiverState(Enum):
@@ -142,12 +150,16 @@ class ReceiverSession:
         compare: FingerprintCompare = fingerprint_diff,
         guard: Callable[[], object] | None = None,
         renew: Callable[[Renew], object] | None = None,
+        cluster_key: bytes | None = None,
     ) -> None:
         """`guard` raises LeaseError once the reservation's lease is gone (called before
         accepting Begin, each Chunk and Commit); `renew` applies a Renew to that lease, raising
-        LeaseError to refuse it. Their return values are ignored."""
+        LeaseError to refuse it. Their return values are ignored. With `cluster_key`, a Hello
+        without a valid MAC under it is refused, and the reply carries one."""
         self.plan = plan
-        self._hello = Hello(PROTOCOL_VERSION, role, fingerprint)
+        self._role = role
+        self._fingerprint = dict(fingerprint)
+        self._key = cluster_key
         self._compare = compare
         self._guard = guard
         self._renew = renew
@@ -160,6 +172,8 @@ class ReceiverSession:
         self.pending_chunk: Chunk | None = None  # accepted; its data is awaited
         self.begin: Begin | None = None  # the Begin of the current or committed attempt
         self._max_snapshot = -1
+        # The committed attempt's value digest (the prefill side's canary); b"" if none.
+        self.value_digest = b""
 
     @property
     def verified(self) -> bool:
@@ -189,7 +203,7 @@ class ReceiverSession:
             self._refuse(NackCode.SEQUENCE_GAP, ProtocolError, text)
         self._recv_seq += 1
         if isinstance(message, Hello):
-            self._on_hello(message)
+            self._on_hello(header, message)
         elif isinstance(message, Begin):
             self._on_begin(message)
         elif isinstance(message, Chunk):
@@ -210,7 +224,7 @@ class ReceiverSession:
         if chunk is None or ledger is None:
             raise ProtocolError(f"{self._who}: no chunk is pending")
         if checksum != chunk.payload_checksum:
-            text = f"chunk at block {chunk.first_block}: data checksum {checksum:#x}"
+            text = f"chunk at byte {chunk.offset}: data checksum {checksum:#x}"
             self._refuse(NackCode.CHECKSUM_MISMATCH, ChecksumMismatch, text)
         ledger.add(chunk)
         self.pending_chunk = None
@@ -225,20 +239,38 @@ class ReceiverSession:
 
     # ---- per-message checks ------------------------------------------------------------------
 
-    def _on_hello(self, hello: Hello) -> None:
+    def _on_hello(self, header: FrameHeader, hello: Hello) -> None:
+        # The credential first: a peer outside the cluster learns nothing about this build.
+        if self._key is not None:
+            want = hello_mac(
+                self._key, hello.role, header.transfer_id, header.attempt, hello.fingerprint
+            )
+            if not hmac.compare_digest(want, hello.auth):
+                text = "Hello carries no valid MAC under the cluster secret"
+                self._refuse(NackCode.UNAUTHENTICATED, Unauthenticated, text)
         if hello.protocol_version != PROTOCOL_VERSION:
             text = f"peer speaks {hello.protocol_version}, this build {PROTOCOL_VERSION}"
             self._refuse(NackCode.VERSION_MISMATCH, UnsupportedVersion, text)
-        diff = self._compare(self._hello.fingerprint, hello.fingerprint)
+        diff = self._compare(self._fingerprint, hello.fingerprint)
         if diff:
             self._reject(NackCode.FINGERPRINT_MISMATCH, FingerprintMismatch(diff, self._who))
-        self._outbox.append(self._reply(self._hello))
+        auth = hello_mac(
+            self._key, self._role, self.plan.transfer_id, self.attempt, self._fingerprint
+        )
+        self._outbox.append(
+            self._reply(Hello(PROTOCOL_VERSION, self._role, self._fingerprint, auth))
+        )
 
     def _on_begin(self, begin: Begin) -> None:
         # The token first: an unauthorised peer learns nothing about the plan.
         if not hmac.compare_digest(begin.capability_token, self.plan.capability_token):
             self._refuse(NackCode.UNAUTHORIZED, Unauthorized, "wrong capability token")
         if not self.verified:  # after commit the reservation has become the running request
+            if self.plan.epoch is not None and begin.epoch != self.plan.epoch:
+                text = (
+                    f"Begin names lease epoch {begin.epoch}, the reservation's is {self.plan.epoch}"
+                )
+                self._refuse(NackCode.LEASE, StaleLease, text)
             self._check_lease()
         mismatch = self._begin_mismatch(begin)
         if mismatch:
@@ -278,9 +310,8 @@ class ReceiverSession:
     def _on_chunk(self, header: FrameHeader, chunk: Chunk) -> None:
         self._check_lease()
         ledger = self._require_ledger()
-        expected = chunk.num_blocks * self.plan.layout.block_bytes
-        if header.data_len != expected:
-            text = f"chunk data_len {header.data_len}, expected {expected}"
+        if header.data_len != chunk.num_bytes:
+            text = f"chunk data_len {header.data_len}, its num_bytes {chunk.num_bytes}"
             self._refuse(NackCode.CHUNK_OUT_OF_RANGE, ProtocolError, text)
         problem = ledger.problem(chunk)
         if problem is not None:
@@ -298,6 +329,7 @@ class ReceiverSession:
         if commit.total_digest != ledger.digest():
             text = f"commit digest {commit.total_digest:#x} != {ledger.digest():#x}"
             self._refuse(NackCode.COMMIT_MISMATCH, ChecksumMismatch, text)
+        self.value_digest = commit.value_digest
         self._outbox.append(self._reply(Ack(AckOf.COMMIT)))
 
     def _on_renew(self, renew: Renew) -> None:

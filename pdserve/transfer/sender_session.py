@@ -14,12 +14,15 @@ Invariants:
 - An illegal call or reply raises IllegalTransition and leaves the state unchanged; a reply
   from an older attempt raises StaleAttempt and is otherwise ignored.
 - Chunks are in bounds and never overlap; Commit is built from the chunks actually sent.
+- With a cluster key, the receiver's Hello must carry a valid MAC under it before the sender
+  goes on: KV is only ever sent to a cluster member.
 
-It knows messages, envelopes and block indices; not sockets, KV memory, leases or schedulers.
+It knows messages, envelopes and byte offsets; not sockets, KV memory, leases or schedulers.
 """
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Mapping
 from enum import Enum, auto
 from typing import NoReturn
@@ -30,6 +33,7 @@ from pdserve.errors import (
     ProtocolError,
     StaleAttempt,
     TransferRefused,
+    Unauthenticated,
     UnsupportedVersion,
 )
 from pdserve.transfer.codec import Envelope, FrameHeader
@@ -53,6 +57,7 @@ from pdserve.transfer.session import (
     FingerprintMap,
     Outbound,
     fingerprint_diff,
+    hello_mac,
     transition,
 )
 
@@ -137,9 +142,12 @@ class SenderSession:
         role: Role = Role.PREFILL,
         attempt: int = 1,
         compare: FingerprintCompare = fingerprint_diff,
+        cluster_key: bytes | None = None,
     ) -> None:
         self.transfer_id = transfer_id
-        self._hello = Hello(PROTOCOL_VERSION, role, fingerprint)
+        self._role = role
+        self._fingerprint = dict(fingerprint)
+        self._key = cluster_key
         self._compare = compare
         self.state = SenderState.IDLE
         self.attempt = attempt
@@ -150,8 +158,11 @@ class SenderSession:
     # ---- outgoing: each returns what to frame and send -------------------------------------
 
     def send_hello(self) -> Outbound:
-        """Open the attempt with this side's fingerprint."""
-        return self._send(_E.SEND_HELLO, self._hello)
+        """Open the attempt with this side's fingerprint (and MAC, with a cluster key)."""
+        auth = hello_mac(self._key, self._role, self.transfer_id, self.attempt, self._fingerprint)
+        return self._send(
+            _E.SEND_HELLO, Hello(PROTOCOL_VERSION, self._role, self._fingerprint, auth)
+        )
 
     def send_begin(self, begin: Begin) -> Outbound:
         """Announce the transfer (its layout bounds every later chunk)."""
@@ -171,15 +182,15 @@ class SenderSession:
         ledger.add(chunk)
         return self._send(_E.SEND_CHUNK, chunk)
 
-    def send_commit(self) -> Outbound:
-        """Close the data; ValueError unless every block of the transfer was sent."""
+    def send_commit(self, value_digest: bytes = b"") -> Outbound:
+        """Close the data (with the KV's value digest, if any); ValueError unless every byte
+        of the transfer was sent."""
         self._check(_E.SEND_COMMIT)
         ledger = self._require_ledger()
         if not ledger.complete:
-            raise ValueError(f"commit before every block was sent ({ledger.num_bytes} bytes)")
-        return self._send(
-            _E.SEND_COMMIT, Commit(ledger.digest(), ledger.num_chunks, ledger.num_bytes)
-        )
+            raise ValueError(f"commit before every byte was sent ({ledger.num_bytes} bytes)")
+        commit = Commit(ledger.digest(), ledger.num_chunks, ledger.num_bytes, value_digest)
+        return self._send(_E.SEND_COMMIT, commit)
 
     def send_renew(self, lease_id: int, epoch: int, ttl: float) -> Outbound:
         """Ask the receiver to extend its reservation lease by `ttl` seconds."""
@@ -214,7 +225,7 @@ class SenderSession:
             )
         self._recv_seq += 1
         if isinstance(message, Hello):
-            self._verify_hello(message)
+            self._verify_hello(header, message)
         elif isinstance(message, Nack):
             self.state = next_state
             raise TransferRefused(f"{message.code.name}: {message.text}", message.retryable)
@@ -258,12 +269,18 @@ class SenderSession:
             return _E.RECV_ABORT
         return _E.RECV_UNEXPECTED
 
-    def _verify_hello(self, hello: Hello) -> None:
+    def _verify_hello(self, header: FrameHeader, hello: Hello) -> None:
+        if self._key is not None:
+            want = hello_mac(
+                self._key, hello.role, header.transfer_id, header.attempt, hello.fingerprint
+            )
+            if not hmac.compare_digest(want, hello.auth):
+                self._fail(Unauthenticated(f"{self._who}: receiver's Hello has no valid MAC"))
         # The receiver is the one that refuses; checking here too keeps a buggy or old receiver
         # from ever being sent KV.
         if hello.protocol_version != PROTOCOL_VERSION:
             self._fail(UnsupportedVersion(f"{self._who}: receiver speaks {hello.protocol_version}"))
-        diff = self._compare(self._hello.fingerprint, hello.fingerprint)
+        diff = self._compare(self._fingerprint, hello.fingerprint)
         if diff:
             self._fail(FingerprintMismatch(diff, context=self._who))
 

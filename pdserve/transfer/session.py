@@ -5,7 +5,7 @@ in one table, `{(state, event): next_state}`. `transition` is the only way a ses
 a pair missing from the table raises IllegalTransition and the caller's state is untouched,
 because the session assigns the returned state only after every check has passed.
 
-`ChunkLedger` records which blocks of a transfer have been sent or received, so that both
+`ChunkLedger` records which byte ranges of a transfer have been sent or received, so that both
 sides agree, from chunk metadata alone, on coverage, byte counts and the commit digest.
 
 Sessions are sans-I/O: they consume and produce Messages (plus envelopes), never bytes on a
@@ -14,6 +14,9 @@ socket; they know block indices within a transfer, not KV memory, leases or the 
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import struct
 from bisect import bisect_right
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -22,8 +25,15 @@ from typing import TypeVar
 
 from pdserve.errors import IllegalTransition
 from pdserve.transfer.codec import Envelope
-from pdserve.transfer.messages import Chunk, KVLayout, Message, NackCode, commit_digest
-from pdserve.transfer.wire import FingerprintValue
+from pdserve.transfer.messages import (
+    Chunk,
+    KVLayout,
+    Message,
+    NackCode,
+    Role,
+    commit_digest,
+)
+from pdserve.transfer.wire import FingerprintValue, encode_fingerprint
 
 FingerprintMap = Mapping[str, FingerprintValue]
 # (local, remote) -> {field: (local value, remote value)} for every differing field; empty when
@@ -54,6 +64,19 @@ def fingerprint_diff(
     return diff
 
 
+def hello_mac(
+    key: bytes | None, role: Role, transfer_id: bytes, attempt: int, fingerprint: FingerprintMap
+) -> bytes:
+    """The `Hello.auth` tag: HMAC-SHA256 under the cluster's KV key over what the Hello says
+    and which attempt of which transfer it opens; b"" when the cluster has no secret."""
+    if key is None:
+        return b""
+    mac = hmac.new(key, b"pdkv2 hello", hashlib.sha256)
+    mac.update(struct.pack("<B16sI", int(role), transfer_id, attempt))
+    mac.update(encode_fingerprint(fingerprint))
+    return mac.digest()
+
+
 def transition(table: Mapping[tuple[S, E], S], state: S, event: E, who: str) -> S:
     """The next state for `event` in `state`, or IllegalTransition naming both."""
     try:
@@ -63,33 +86,33 @@ def transition(table: Mapping[tuple[S, E], S], state: S, event: E, who: str) -> 
 
 
 class ChunkLedger:
-    """The chunks of one transfer attempt: in bounds, never overlapping, each counted once."""
+    """The chunks of one transfer attempt: byte ranges in bounds, never overlapping, each
+    counted once; complete when they cover the whole payload."""
 
     def __init__(self, layout: KVLayout) -> None:
-        self._layout = layout
-        self._starts: list[int] = []  # sorted first_block of every recorded chunk
+        self._payload_bytes = layout.payload_bytes
+        self._starts: list[int] = []  # sorted offsets of every recorded chunk
         self._chunks: dict[int, Chunk] = {}
-        self._num_blocks_covered = 0
+        self._num_bytes = 0
 
     def problem(self, chunk: Chunk) -> tuple[NackCode, str] | None:
         """Why `chunk` cannot be recorded (out of range or overlapping), or None if it can."""
-        first, end = chunk.first_block, chunk.first_block + chunk.num_blocks
-        if end > self._layout.num_blocks:
+        first, end = chunk.offset, chunk.offset + chunk.num_bytes
+        if end > self._payload_bytes:
             return (
                 NackCode.CHUNK_OUT_OF_RANGE,
-                f"chunk blocks [{first}, {end}) outside the transfer's "
-                f"{self._layout.num_blocks} blocks",
+                f"chunk bytes [{first}, {end}) outside the transfer's {self._payload_bytes}",
             )
         i = bisect_right(self._starts, first)
         neighbours = [
             self._chunks[self._starts[j]] for j in (i - 1, i) if 0 <= j < len(self._starts)
         ]
         for other in neighbours:
-            other_end = other.first_block + other.num_blocks
-            if other.first_block < end and first < other_end:
+            other_end = other.offset + other.num_bytes
+            if other.offset < end and first < other_end:
                 return (
                     NackCode.CHUNK_OVERLAP,
-                    f"chunk blocks [{first}, {end}) overlap [{other.first_block}, {other_end})",
+                    f"chunk bytes [{first}, {end}) overlap [{other.offset}, {other_end})",
                 )
         return None
 
@@ -98,9 +121,9 @@ class ChunkLedger:
         reason = self.problem(chunk)
         if reason is not None:
             raise ValueError(reason[1])
-        self._starts.insert(bisect_right(self._starts, chunk.first_block), chunk.first_block)
-        self._chunks[chunk.first_block] = chunk
-        self._num_blocks_covered += chunk.num_blocks
+        self._starts.insert(bisect_right(self._starts, chunk.offset), chunk.offset)
+        self._chunks[chunk.offset] = chunk
+        self._num_bytes += chunk.num_bytes
 
     @property
     def num_chunks(self) -> int:
@@ -109,13 +132,13 @@ class ChunkLedger:
 
     @property
     def num_bytes(self) -> int:
-        """Data bytes recorded (every block is layout.block_bytes long)."""
-        return self._num_blocks_covered * self._layout.block_bytes
+        """Data bytes recorded."""
+        return self._num_bytes
 
     @property
     def complete(self) -> bool:
-        """True once every block of the transfer is covered (exactly once, by construction)."""
-        return self._num_blocks_covered == self._layout.num_blocks
+        """True once every payload byte is covered (exactly once, by construction)."""
+        return self._num_bytes == self._payload_bytes
 
     def digest(self) -> int:
         """The commit digest of the recorded chunks (`messages.commit_digest`)."""

@@ -17,6 +17,7 @@ This module knows segments, slots and the handshake, not the KV codec or session
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import mmap
 import os
@@ -176,17 +177,22 @@ async def serve_shm(
     host: str = "127.0.0.1",
     port: int = 0,
     config: ShmConfig | None = None,
+    *,
+    handshake_timeout_s: float | None = None,
+    max_connections: int | None = None,
 ) -> TcpServer:
     """Serve shm streams: each accepted control connection is upgraded, then handled."""
 
     async def upgrade(control: ByteStream) -> None:
-        stream = await connect_shm(control, config)
+        # A peer that never finishes the handshake must not hold an inbox for long.
+        async with asyncio.timeout(handshake_timeout_s):
+            stream = await connect_shm(control, config)
         try:
             await handler(stream)
         finally:
             await stream.aclose()
 
-    return await serve_tcp(upgrade, host, port)
+    return await serve_tcp(upgrade, host, port, max_connections=max_connections)
 
 
 def leaked_segments() -> list[str]:

@@ -202,6 +202,17 @@ class SlotStream(ByteStream):
             self._inbox.release()
             self._on_close()
 
+    def reusable(self) -> bool:
+        """Open both ways, the peer still connected, and nothing announced left unread."""
+        return not (
+            self._closed
+            or self._eof
+            or self._pending
+            or self._current is not None
+            or self._send_state.reason
+            or self._receive_state.reason
+        )
+
     async def _acquire_slot(self) -> int:
         while True:
             self._send_state.check()

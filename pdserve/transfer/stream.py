@@ -57,6 +57,11 @@ class ByteStream(abc.ABC):
     async def aclose(self) -> None:
         """Close this end (idempotent); wake local waiters; the peer sees end of stream."""
 
+    def reusable(self) -> bool:
+        """Whether an idle stream can carry another exchange: open both ways, nothing unread
+        and no end of stream seen. Transports that cannot tell say False (never reused)."""
+        return False
+
     async def __aenter__(self) -> ByteStream:
         return self
 

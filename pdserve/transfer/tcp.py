@@ -141,6 +141,18 @@ class TcpStream(ByteStream):
                 except OSError as exc:
                     raise PeerClosed(f"tcp {self._peer}: receive failed: {exc}") from exc
 
+    def reusable(self) -> bool:
+        """Open both ways, and the peer has sent nothing since (no stray bytes, no FIN)."""
+        if self._closed or self._send_state.reason or self._receive_state.reason:
+            return False
+        try:
+            self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return True  # nothing to read: idle and open
+        except OSError:
+            return False
+        return False  # b"" (the peer closed) or unexpected bytes
+
     async def aclose(self) -> None:
         """Send FIN after queued bytes, wake local waiters, close the socket (idempotent)."""
         if self._closed:
@@ -212,12 +224,24 @@ async def open_tcp_stream(address: Address, config: TcpConfig | None = None) -> 
 
 
 class TcpServer:
-    """Accepts connections and runs `handler(stream)` for each; closes the stream after."""
+    """Accepts connections and runs `handler(stream)` for each; closes the stream after.
 
-    def __init__(self, sock: socket.socket, handler: StreamHandler, config: TcpConfig) -> None:
+    With `max_connections`, a connection arriving while that many are served is closed at
+    once (counted in `num_refused`): an unauthenticated peer cannot tie up more.
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        handler: StreamHandler,
+        config: TcpConfig,
+        max_connections: int | None = None,
+    ) -> None:
         self._sock = sock
         self._handler = handler
         self._config = config
+        self._max_connections = max_connections
+        self.num_refused = 0
         self._address: Address = sock.getsockname()[:2]
         self._connections: set[asyncio.Task[None]] = set()
         self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
@@ -242,6 +266,12 @@ class TcpServer:
         loop = asyncio.get_running_loop()
         while True:
             conn, _ = await loop.sock_accept(self._sock)
+            if self._max_connections is not None and (
+                len(self._connections) >= self._max_connections
+            ):
+                self.num_refused += 1
+                conn.close()
+                continue
             configure_socket(conn, self._config)
             task = loop.create_task(self._serve_one(TcpStream(conn)))
             self._connections.add(task)
@@ -264,8 +294,10 @@ async def serve_tcp(
     host: str = "127.0.0.1",
     port: int = 0,
     config: TcpConfig | None = None,
+    max_connections: int | None = None,
 ) -> TcpServer:
-    """Listen on (host, port) and serve each connection with `handler`."""
+    """Listen on (host, port) and serve each connection with `handler` (at most
+    `max_connections` at once when given)."""
     config = config or TcpConfig()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
@@ -276,4 +308,4 @@ async def serve_tcp(
     except BaseException:
         sock.close()
         raise
-    return TcpServer(sock, handler, config)
+    return TcpServer(sock, handler, config, max_connections)

@@ -6,7 +6,15 @@ the engine loop (every engine call), the inbox (decode-side reservations), the o
 middleware in `http_errors` turns them into `ErrorBody` responses.
 
 Invariants:
-- Reserve before release: /prefill parses and checks its reservation before any prefill runs.
+- Only the cluster talks to workers: every call but GET /health and /metrics carries a valid
+  cluster signature (`auth_middleware`), and /prefill sends KV only to a reservation the
+  router signed (`reservation_auth`).
+- Reserve before release: /prefill parses and checks its reservation (signature, expiry,
+  transport) before any prefill runs.
+- Verified state only, checked by value: /decode schedules a request only after its KV was
+  verified by checksums and, with --kv-canary (the default), recomputed and compared.
+- Bounded: /prefill and /generate refuse with 503 Overloaded once `max_waiting` requests wait
+  in the engine; every wait on a router's behalf ends at the call's `deadline_s`.
 - No leak: a handler that leaves early (error, client gone: aiohttp cancels the handler) aborts
   whatever it had put in the engine; a finished prefill's held KV is either handed to the
   outbox (which always releases it) or released at once.
@@ -22,31 +30,49 @@ import asyncio
 import dataclasses
 import os
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel
 
+from pdserve.auth.signing import CallVerifier
 from pdserve.engine.engine import Engine
-from pdserve.errors import EngineError, PdserveError, RequestNotFound, WrongRole
+from pdserve.errors import (
+    DeadlineExceeded,
+    EngineError,
+    Overloaded,
+    PdserveError,
+    RequestNotFound,
+    WrongRole,
+)
 from pdserve.faults import FaultClosed, FaultInjector, FaultSite, parse_rules, perform
 from pdserve.observability.timeline_log import EventRing
+from pdserve.worker import kv_canary
+from pdserve.worker.auth_middleware import auth_middleware
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.engine_loop import DeltaQueue, EngineInfo, EngineLoop
 from pdserve.worker.http_errors import Handler, error_middleware
-from pdserve.worker.kv_inbox import KVInbox
-from pdserve.worker.kv_outbox import Destination, KVOutbox
+from pdserve.worker.kv_inbox import KVInbox, Received
+from pdserve.worker.kv_outbox import KVOutbox, parse_destination
 from pdserve.worker.lease_keeper import LeaseKeeper
-from pdserve.worker.metrics import WorkerCounters, render
+from pdserve.worker.metrics import (
+    FailClosedCounters,
+    WorkerCounters,
+    render,
+    render_fail_closed,
+)
 from pdserve.worker.protocol import (
     DecodeRequest,
     FaultPlanBody,
     FaultState,
     GenerateRequest,
+    HandoffInfo,
     InjectedFaultModel,
     KVAbortRequest,
     KVAbortResult,
+    KVEndpoint,
     PrefillRequest,
     PrefillResult,
     ReleaseRequest,
@@ -60,6 +86,7 @@ from pdserve.worker.protocol import (
     WorkerHealth,
 )
 from pdserve.worker.reuse_metrics import render_reuse
+from pdserve.worker.transport_stats import TransportStats
 
 M = TypeVar("M", bound=BaseModel)
 NDJSON = "application/x-ndjson"
@@ -110,6 +137,8 @@ class WorkerAPI:
         outbox: KVOutbox | None,
         faults: FaultInjector | None = None,
         events: EventRing | None = None,
+        verifier: CallVerifier | None = None,
+        local_transports: tuple[str, ...] = ("tcp",),
     ) -> None:
         self.config = config
         self.worker_id = config.worker_id
@@ -122,10 +151,16 @@ class WorkerAPI:
         self.faults = faults
         # This worker's timeline events of recent requests (GET /debug/requests/{id}).
         self.events = events if events is not None else EventRing(config.worker_id)
+        # Checks every control call's cluster signature; None: --insecure-no-auth.
+        self.verifier = verifier
+        # KV transports this worker can send over, best first (prefill side).
+        self.local_transports = local_transports
+        self.canary_counts: Counter[str] = Counter()
+        self.num_admission_refusals = 0
 
     def app(self) -> web.Application:
         """The application with every route of the protocol (+ /admin/faults if enabled)."""
-        middlewares = [error_middleware(self.worker_id)]
+        middlewares = [error_middleware(self.worker_id), auth_middleware(self.verifier)]
         if self.faults is not None:
             middlewares.append(_close_on_fault)  # inner: runs before errors are rendered
         app = web.Application(middlewares=middlewares)
@@ -237,11 +272,28 @@ class WorkerAPI:
             num_running=stats.num_running,
             num_waiting=stats.num_waiting,
             num_active_leases=self.leases.num_active,
+            kv_endpoints=self._kv_endpoints(),
+            problems=self.transport_stats.problems(),
             request_monotonic_ns=arrived_ns,
             monotonic_ns=time.monotonic_ns(),
             wall_time_s=time.time(),
         )
         return _json(body)
+
+    def _kv_endpoints(self) -> list[KVEndpoint]:
+        if self.inbox is not None:
+            return self.inbox.endpoints
+        # A prefill-only worker listens on nothing: it lists what it can send over.
+        return [KVEndpoint(transport=t, address="") for t in self.local_transports]  # type: ignore[arg-type]
+
+    @property
+    def transport_stats(self) -> TransportStats:
+        """The KV traffic figures this worker keeps (shared by its inbox and outbox)."""
+        if self.outbox is not None:
+            return self.outbox.stats
+        if self.inbox is not None:
+            return self.inbox.stats
+        return TransportStats()
 
     async def reserve(self, request: web.Request) -> web.Response:
         """POST /reserve ReserveRequest -> Reservation."""
@@ -251,15 +303,32 @@ class WorkerAPI:
             await perform(rule)
         return _json(await inbox.reserve(body))
 
+    def _admit(self, request_id: str) -> None:
+        """Refuse new work (503, Retry-After) while `max_waiting` requests wait in the engine."""
+        if self.engine.num_waiting >= self.config.max_waiting:
+            self.num_admission_refusals += 1
+            raise Overloaded(
+                f"worker {self.worker_id}: {self.engine.num_waiting} requests already wait"
+                f" (--max-waiting {self.config.max_waiting}); {request_id} not admitted"
+            )
+
     async def prefill(self, request: web.Request) -> web.Response:
         """POST /prefill PrefillRequest -> PrefillResult; the KV send continues after."""
         outbox = self._need_outbox("/prefill")
         body = await _parse(request, PrefillRequest)
         rid = body.request_id
         params = body.sampling.to_params()
-        destination = (
-            Destination.parse(body.reservation, body.decode_url) if body.reservation else None
-        )
+        destination = None
+        if body.reservation is not None:
+            # Before any prefill: a forged, expired or unreachable reservation costs nothing.
+            destination = parse_destination(
+                body.reservation,
+                key=self.config.reservation_key,
+                now_s=time.time(),
+                local=self.local_transports,  # type: ignore[arg-type]  # Transport names
+                explicit=self.config.kv_transport != "auto",
+            )
+        self._admit(rid)
         if self.faults is not None and (rule := self.faults.fire(FaultSite.WORKER_PREFILL)):
             await perform(rule)
         start_ns = self.events.record(rid, "prefill_start").monotonic_ns
@@ -270,7 +339,13 @@ class WorkerAPI:
         )
         handed_over = False
         try:
-            delta = await queue.get()
+            try:
+                async with asyncio.timeout(body.deadline_s):
+                    delta = await queue.get()
+            except TimeoutError:
+                raise DeadlineExceeded(
+                    f"request {rid}: prefill not done within its {body.deadline_s} s deadline"
+                ) from None
             if not delta.new_token_ids:
                 raise EngineError(
                     f"request {rid}: prefill ended without a token ({delta.finish_reason})"
@@ -278,8 +353,19 @@ class WorkerAPI:
             end_ns = self.events.record(rid, "prefill_end").monotonic_ns
             views, block_ids, num_cached = await self.engine.call(_held_kv(rid))
             if destination is not None:
+                # The digest before the KV leaves this thread's hands: whatever damages the
+                # held KV later (before its checksums are taken) is caught by value.
+                value_digest = b""
+                if self.config.kv_canary:
+                    value_digest = await kv_canary.digest(self.engine, rid)
                 outbox.start(
-                    rid, body.prompt_token_ids, views, block_ids, destination, body.lease_ttl_s
+                    rid,
+                    body.prompt_token_ids,
+                    views,
+                    block_ids,
+                    destination,
+                    body.lease_ttl_s,
+                    value_digest,
                 )
                 handed_over = True
         finally:
@@ -298,6 +384,36 @@ class WorkerAPI:
             )
         )
 
+    async def _write_event(self, response: web.StreamResponse, event: TokenEvent) -> None:
+        await response.write(event.model_dump_json().encode() + b"\n")
+
+    async def _error_event(self, response: web.StreamResponse, exc: PdserveError) -> None:
+        event = TokenEvent(
+            token_ids=[],
+            finished=True,
+            finish_reason="error",
+            error=f"{type(exc).__name__}: {exc}",
+            error_type=type(exc).__name__,
+        )
+        await self._write_event(response, event)
+
+    async def _check_received(self, rid: str, received: Received) -> HandoffInfo:
+        """The value check of received KV (the canary), and how it came."""
+        canary = "none"
+        if received.num_blocks:
+            canary = "off"
+            if self.config.kv_canary:
+                canary = await kv_canary.check(
+                    self.engine, rid, received.value_digest, self.info.dtype, self.canary_counts
+                )
+        return HandoffInfo(
+            transport=received.transport,
+            num_bytes=received.num_bytes,
+            seconds=round(received.seconds, 6),
+            slow=received.slow,
+            canary=canary,
+        )
+
     async def decode(self, request: web.Request) -> web.StreamResponse:
         """POST /decode DecodeRequest -> NDJSON TokenEvents from the second token on."""
         inbox = self._need_inbox("/decode")
@@ -307,24 +423,23 @@ class WorkerAPI:
             raise RequestNotFound(f"no reservation for request {rid} (never made, expired or done)")
         response = await self._open_stream(request)
         done = False
+        kv_timeout_s = min(body.kv_timeout_s, body.deadline_s or body.kv_timeout_s)
         try:
             try:
-                await inbox.take(rid, body.kv_timeout_s)
+                received = await inbox.take(rid, kv_timeout_s)
+                handoff = await self._check_received(rid, received)
                 queue = await self.engine.mark_ready(rid, body.first_token_id)
-                self.events.record(rid, "decode_start")
+                self.events.record(rid, "decode_start", f"canary={handoff.canary}")
             except PdserveError as exc:
+                # cancel() waits for a cancellation already under way (the writer fenced)
+                # before anything is freed; after a hand-over it is a no-op and abort frees.
                 await inbox.cancel(rid, f"{type(exc).__name__}: {exc}")
                 await self.engine.abort(rid)
-                event = TokenEvent(
-                    token_ids=[],
-                    finished=True,
-                    finish_reason="error",
-                    error=f"{type(exc).__name__}: {exc}",
-                )
-                await response.write(event.model_dump_json().encode() + b"\n")
+                await self._error_event(response, exc)
                 done = True
                 return response
-            await self._stream(queue, response, rid)
+            await self._write_event(response, TokenEvent(token_ids=[], handoff=handoff))
+            await self._stream_until(queue, response, rid, body.deadline_s)
             done = True
         finally:
             if not done:  # the client went away: nobody will read the rest
@@ -332,6 +447,24 @@ class WorkerAPI:
                 await self.engine.abort(rid)
         await response.write_eof()
         return response
+
+    async def _stream_until(
+        self,
+        queue: DeltaQueue,
+        response: web.StreamResponse,
+        request_id: str,
+        deadline_s: float | None,
+    ) -> None:
+        """Stream the request's tokens; at its deadline, abort it and end with an error line."""
+        try:
+            async with asyncio.timeout(deadline_s):
+                await self._stream(queue, response, request_id)
+        except TimeoutError:
+            await self.engine.abort(request_id)
+            await self._error_event(
+                response,
+                DeadlineExceeded(f"request {request_id}: past its {deadline_s} s deadline"),
+            )
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         """POST /generate GenerateRequest -> NDJSON TokenEvents (colocated, resume, recompute).
@@ -343,6 +476,7 @@ class WorkerAPI:
                 f"worker {self.worker_id} (role {self.config.role}) does not serve /generate"
             )
         body = await _parse(request, GenerateRequest)
+        self._admit(body.request_id)
         self.events.record(
             body.request_id, "generate_start", f"resume_after={len(body.output_token_ids)}"
         )
@@ -355,7 +489,7 @@ class WorkerAPI:
         done = False
         try:
             response = await self._open_stream(request)
-            await self._stream(queue, response, body.request_id)
+            await self._stream_until(queue, response, body.request_id, body.deadline_s)
             done = True
         finally:
             if not done:
@@ -383,8 +517,8 @@ class WorkerAPI:
         rid = body.request_id
         num_freed = 0
         if self.outbox is not None:
-            # Cancel the send before freeing: it must never read blocks that were reused.
-            self.outbox.cancel(rid)
+            # The send ends before anything is freed: it must never read reused blocks.
+            await self.outbox.cancel(rid)
         if self.inbox is not None:
             num_freed += await self.inbox.cancel(rid, "released")
         num_freed += await self.engine.abort(rid)
@@ -409,6 +543,16 @@ class WorkerAPI:
         sends = self.outbox.sends if self.outbox else None
         text = render(self.worker_id, stats, self.leases.num_active, counters, sends)
         text += render_reuse(self.worker_id, stats)
+        text += render_fail_closed(
+            self.worker_id,
+            FailClosedCounters(
+                canary=dict(self.canary_counts),
+                fenced_writers=receiver.num_fenced_writers if receiver else 0,
+                auth_refusals=self.verifier.num_refused if self.verifier else 0,
+                admission_refusals=self.num_admission_refusals,
+            ),
+        )
+        text += "\n".join(self.transport_stats.render(self.worker_id)) + "\n"
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
     async def debug_request(self, request: web.Request) -> web.Response:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.auth.secret import ClusterSecret
 from pdserve.config import EngineConfig
 from pdserve.errors import ConfigError
 from pdserve.faults import parse_rules
@@ -17,6 +18,7 @@ from pdserve.membership.codec import check_worker_id
 from pdserve.membership.uri import parse_discovery
 
 ROLES = ("prefill", "decode", "both")
+KV_TRANSPORTS = ("auto", "nixl", "shm", "tcp")
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
@@ -56,6 +58,24 @@ class WorkerConfig:
     membership_ttl_s: int = 10
     # Requests whose timeline events are kept for GET /debug/requests/{id} (oldest evicted).
     timeline_ring: int = 1000
+    # The cluster credential every control call and KV connection must prove; None only with
+    # `insecure_no_auth` (a loud, explicit opt-out for experiments on one machine).
+    cluster_secret: ClusterSecret | None = None
+    insecure_no_auth: bool = False
+    # Check received KV by value before the first decode token (the canary), and send the
+    # prefill side's digest with every transfer.
+    kv_canary: bool = True
+    # Requests admitted into the engine and not yet running (waiting); past it /generate and
+    # /prefill answer 503 Overloaded with Retry-After instead of queueing without bound.
+    max_waiting: int = 256
+    # KV data per frame (bytes); a larger block travels as several frames.
+    kv_frame_bytes: int = 4 << 20
+    # Which KV transports to serve and use: "auto" (NIXL when installed, shared memory on one
+    # host, TCP) or one of them explicitly (an error at start if it cannot be used).
+    kv_transport: str = "auto"
+    # KV receiver: a connection must say Hello within this; at most this many at once.
+    kv_handshake_timeout_s: float = 5.0
+    kv_max_connections: int = 64
 
     def __post_init__(self) -> None:
         if self.timeline_ring < 1:
@@ -76,6 +96,27 @@ class WorkerConfig:
         parse_rules(self.faults)  # a bad rule fails at start, named
         if self.discovery is not None:
             self._check_discovery()
+        if self.max_waiting < 1:
+            raise ConfigError(f"max-waiting: must be >= 1, got {self.max_waiting}")
+        if not 4096 <= self.kv_frame_bytes <= 64 << 20:
+            raise ConfigError(
+                f"kv-frame-bytes: must be in 4096..{64 << 20}, got {self.kv_frame_bytes}"
+            )
+        if self.kv_transport not in KV_TRANSPORTS:
+            raise ConfigError(
+                f"kv-transport: {self.kv_transport!r} is not one of {', '.join(KV_TRANSPORTS)}"
+            )
+        if not 0 < self.kv_handshake_timeout_s < float("inf") or self.kv_max_connections < 1:
+            raise ConfigError(
+                f"kv-handshake-timeout-s must be > 0 and kv-max-connections >= 1, got"
+                f" {self.kv_handshake_timeout_s!r} and {self.kv_max_connections!r}"
+            )
+        if self.cluster_secret is None and not self.insecure_no_auth:
+            raise ConfigError(
+                "cluster-secret-file: no cluster secret (give --cluster-secret-file PATH or set"
+                " PDSERVE_CLUSTER_SECRET; `pdserve up` makes one; --insecure-no-auth serves"
+                " without one)"
+            )
 
     def _check_discovery(self) -> None:
         parse_discovery(self.discovery or "")
@@ -91,6 +132,24 @@ class WorkerConfig:
                 f"advertise-host: needed with --host {self.host}: others cannot reach a"
                 " wildcard address"
             )
+
+    def _key(self, label: str) -> bytes | None:
+        return None if self.cluster_secret is None else self.cluster_secret.key(label)
+
+    @property
+    def http_key(self) -> bytes | None:
+        """Key of control-call signatures (None: --insecure-no-auth)."""
+        return self._key("http")
+
+    @property
+    def reservation_key(self) -> bytes | None:
+        """Key of the router's reservation signatures."""
+        return self._key("reservation")
+
+    @property
+    def kv_key(self) -> bytes | None:
+        """Key of the KV Hello MACs."""
+        return self._key("kv-hello")
 
     @property
     def advertised_host(self) -> str:

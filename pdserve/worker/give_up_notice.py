@@ -13,6 +13,7 @@ import logging
 
 import aiohttp
 
+from pdserve.auth.signing import auth_headers
 from pdserve.worker.kv_outbox import Destination, GiveUpNotice
 from pdserve.worker.protocol import KVAbortRequest
 
@@ -22,8 +23,9 @@ logger = logging.getLogger(__name__)
 NOTICE_TIMEOUT_S = 2.0
 
 
-def http_give_up_notice(session: aiohttp.ClientSession) -> GiveUpNotice:
-    """A `GiveUpNotice` that posts /kv_abort to the destination's decode worker."""
+def http_give_up_notice(session: aiohttp.ClientSession, key: bytes | None) -> GiveUpNotice:
+    """A `GiveUpNotice` that posts /kv_abort to the destination's decode worker, signed with
+    the cluster's control-call key."""
 
     async def notify(request_id: str, destination: Destination, reason: str) -> None:
         if destination.decode_url is None:
@@ -34,11 +36,14 @@ def http_give_up_notice(session: aiohttp.ClientSession) -> GiveUpNotice:
             capability_token=destination.capability_token.hex(),
             reason=reason[:500],
         )
+        data = body.model_dump_json().encode()
+        headers = {"Content-Type": "application/json"}
+        headers.update(auth_headers(key, "POST", "/kv_abort", data))
         try:
             async with session.post(
                 f"{destination.decode_url}/kv_abort",
-                data=body.model_dump_json(),
-                headers={"Content-Type": "application/json"},
+                data=data,
+                headers=headers,
                 timeout=aiohttp.ClientTimeout(total=NOTICE_TIMEOUT_S),
             ) as resp:
                 if resp.status != 200:

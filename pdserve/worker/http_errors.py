@@ -18,13 +18,19 @@ from aiohttp.typedefs import Middleware
 
 from pdserve.errors import (
     ConfigError,
+    DeadlineExceeded,
     DuplicateRequest,
+    Forbidden,
     KVNotReady,
+    KVValueMismatch,
     LeaseError,
     NoFreeBlocks,
+    Overloaded,
     PdserveError,
     PromptTooLong,
     RequestNotFound,
+    TransportUnavailable,
+    Unauthenticated,
     Unauthorized,
     WrongRole,
 )
@@ -37,13 +43,19 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # Checked in order: the first class the error is an instance of decides the status.
 _STATUS: tuple[tuple[type[BaseException], int], ...] = (
+    (Unauthenticated, 401),
+    (Forbidden, 403),
     (NoFreeBlocks, 503),
+    (Overloaded, 503),
+    (DeadlineExceeded, 504),
     (RequestNotFound, 404),
     (PromptTooLong, 400),
     (ConfigError, 400),
     (WrongRole, 409),
     (DuplicateRequest, 409),
     (KVNotReady, 409),
+    (KVValueMismatch, 409),
+    (TransportUnavailable, 409),
     (LeaseError, 409),
     (Unauthorized, 403),
     (PdserveError, 500),

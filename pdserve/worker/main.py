@@ -22,9 +22,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from pdserve.auth.secret import load_secret
 from pdserve.config import DTYPES, EngineConfig, ModelLoadConfig
 from pdserve.errors import ConfigError, PdserveError
-from pdserve.worker.config import ROLES, WorkerConfig
+from pdserve.worker.config import KV_TRANSPORTS, ROLES, WorkerConfig
 from pdserve.worker.server import Worker
 
 PROG = "pdserve worker"
@@ -77,6 +78,54 @@ def build_parser() -> argparse.ArgumentParser:
         default=1000,
         help="recent requests whose timeline events /debug/requests/{id} keeps",
     )
+    kv = p.add_argument_group("KV transfer")
+    kv.add_argument(
+        "--kv-transport",
+        choices=KV_TRANSPORTS,
+        default="auto",
+        help="auto: NIXL when installed, shared memory on one host, else TCP (fallbacks are"
+        " logged and counted); an explicit one is required of both sides",
+    )
+    kv.add_argument(
+        "--kv-frame-bytes",
+        type=int,
+        default=4 << 20,
+        help="KV data per frame; a larger block travels as several frames",
+    )
+    kv.add_argument(
+        "--kv-canary",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="check received KV by value before the first token (and send the digest)",
+    )
+    kv.add_argument(
+        "--kv-handshake-timeout-s",
+        type=float,
+        default=5.0,
+        help="a KV connection must say Hello within this",
+    )
+    kv.add_argument(
+        "--kv-max-connections", type=int, default=64, help="KV connections served at once"
+    )
+    sec = p.add_argument_group("security and admission")
+    sec.add_argument(
+        "--cluster-secret-file",
+        type=Path,
+        default=None,
+        help="the cluster secret (else $PDSERVE_CLUSTER_SECRET); every control call and KV"
+        " connection must prove it",
+    )
+    sec.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="serve without a cluster secret (anyone who reaches the ports may call them)",
+    )
+    sec.add_argument(
+        "--max-waiting",
+        type=int,
+        default=256,
+        help="requests waiting in the engine before new ones get 503 + Retry-After",
+    )
     m = p.add_argument_group("membership (several machines)")
     m.add_argument(
         "--discovery",
@@ -117,7 +166,16 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         model=model,
     )
+    secret = load_secret(args.cluster_secret_file)
     return WorkerConfig(
+        cluster_secret=secret,
+        insecure_no_auth=args.insecure_no_auth,
+        kv_transport=args.kv_transport,
+        kv_frame_bytes=args.kv_frame_bytes,
+        kv_canary=args.kv_canary,
+        kv_handshake_timeout_s=args.kv_handshake_timeout_s,
+        kv_max_connections=args.kv_max_connections,
+        max_waiting=args.max_waiting,
         role=args.role,
         host=args.host,
         port=args.port,
@@ -160,6 +218,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if config.cluster_secret is None:
+        logging.getLogger(__name__).warning(
+            "--insecure-no-auth: any process that reaches this worker's ports may call it"
+        )
     try:
         asyncio.run(serve(config))
     except (PdserveError, OSError) as exc:

@@ -115,3 +115,29 @@ def render(
         ):
             lines += render_histograms(spec, [(w, hist)])
     return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True, slots=True)
+class FailClosedCounters:
+    """Totals of the fail-closed checks (canary, fencing, credentials, admission)."""
+
+    canary: Mapping[str, int] = field(default_factory=dict)
+    fenced_writers: int = 0
+    auth_refusals: int = 0
+    admission_refusals: int = 0
+
+
+def render_fail_closed(worker_id: str, counters: FailClosedCounters) -> str:
+    """Prometheus lines of the fail-closed counters."""
+    w = {"worker_id": worker_id}
+    lines = render_family(
+        m.WORKER_KV_CANARY,
+        (({**w, "result": r}, n) for r, n in sorted(counters.canary.items())),
+    )
+    for spec, value in (
+        (m.WORKER_KV_FENCED_WRITERS, counters.fenced_writers),
+        (m.WORKER_AUTH_REFUSALS, counters.auth_refusals),
+        (m.WORKER_ADMISSION_REFUSALS, counters.admission_refusals),
+    ):
+        lines += render_family(spec, [(w, value)])
+    return "\n".join(lines) + "\n"

@@ -15,8 +15,19 @@ Endpoints (role in brackets):
     POST /renew     RenewRequest    -> RenewResult                     [decode, both]
     GET  /metrics                   Prometheus text                    [all]
     GET  /debug/requests/{id}       WorkerEvents                       [all]
-Errors are `ErrorBody` with an HTTP status: 400 bad input, 404 unknown request, 409 wrong role
-or state, 503 no capacity (with Retry-After).
+Errors are `ErrorBody` with an HTTP status: 400 bad input, 401 no cluster credential, 403 a
+forged, stale or replayed credential (or a capability token that does not match), 404 unknown
+request, 409 wrong role or state, 503 no capacity (with Retry-After), 504 the request's deadline
+passed while the worker waited.
+
+Every endpoint but GET /health and GET /metrics needs the cluster credential: an
+`X-Pdserve-Auth` header signed with the cluster secret (`pdserve.auth.signing`); those two are
+read-only and left open for load-balancer probes and Prometheus scrapes, which cannot sign.
+
+Deadlines: `deadline_s` on the calls that make a worker wait on the router's behalf is the time
+the router will still wait for this request, in seconds from when the call was sent; the worker
+gives up (and frees what the request holds) once it has passed, so a router that died or froze
+cannot leave work running on a worker forever.
 """
 
 from __future__ import annotations
@@ -28,6 +39,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from pdserve.engine.sampling_params import SamplingParams
 
 Role = Literal["prefill", "decode", "both"]
+Transport = Literal["nixl", "shm", "tcp"]
+# Reservation format; a prefill worker refuses one it does not know (named field).
+RESERVATION_VERSION = 2
 
 
 class _Model(BaseModel):
@@ -82,7 +96,7 @@ class WorkerHealth(_Model):
     # Fingerprint fields (see pdserve.model.fingerprint) and its digest.
     fingerprint: dict[str, str | int | float]
     fingerprint_digest: str
-    # "host:port" of the KV transfer endpoint; None for a prefill-only worker.
+    # "host:port" of the KV transfer endpoint (TCP); None for a prefill-only worker.
     transfer_address: str | None
     max_model_len: int
     block_size: int
@@ -93,6 +107,11 @@ class WorkerHealth(_Model):
     num_running: int
     num_waiting: int
     num_active_leases: int
+    # KV transports this worker serves (decode side) or can send over (prefill side), each
+    # with the endpoint it listens on ("" on the sending side).
+    kv_endpoints: list[KVEndpoint] = Field(default_factory=list)
+    # What this worker sees wrong with itself (e.g. a KV peer far below its transport's rate).
+    problems: list[str] = Field(default_factory=list)
     # The worker's monotonic clock when the call arrived and as it answered, and its wall
     # clock: the router aligns the worker's timeline events with its own from them (NTP-style,
     # `observability.clock_sync`). None from workers that predate them.
@@ -107,20 +126,51 @@ class ReserveRequest(_Model):
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingModel
-    # The reservation (and its blocks) is freed if the KV is not committed within this time.
+    # The reservation (and its blocks) is freed when no KV byte arrives (and no renewal comes)
+    # for this long: liveness, not total duration, decides.
     lease_ttl_s: float = Field(default=30.0, gt=0)
+
+
+class KVEndpoint(_Model):
+    """One way to reach a decode worker's KV receiver."""
+
+    transport: Transport
+    # "host:port" of its (control) connection.
+    address: str
+    # Which machine (and boot) serves it: shared memory is used only when both ends have the
+    # same host id. None: unknown, never same-host.
+    host_id: str | None = None
 
 
 class Reservation(_Model):
     """Where and how the prefill worker must send the KV."""
 
+    # Format of this model; a prefill worker refuses a version it does not speak.
+    version: int = RESERVATION_VERSION
     request_id: str
     transfer_id: str  # hex, 16 bytes
     capability_token: str  # hex, secret of this transfer
-    transfer_address: str  # host:port of the decode worker's KV endpoint
+    # Every transport the decode side serves, best first; the prefill side uses the best one
+    # it also has (see `worker/transports.py`).
+    endpoints: list[KVEndpoint] = Field(min_length=1)
+    # Fencing token of the reservation's lease: the sender puts it in its Begin, and a Begin
+    # naming another epoch is refused.
+    lease_epoch: int = Field(ge=0)
     # Leading prompt tokens the decode worker already has (prefix cache); not sent.
     num_cached_tokens: int
     lease_ttl_s: float
+
+
+class SignedReservation(_Model):
+    """A reservation as the router vouches for it: the prefill worker sends KV only to a
+    reservation whose signature (cluster secret, "reservation" key) it verifies."""
+
+    reservation: Reservation
+    # The decode worker's control URL (told when the send is given up), covered by the MAC.
+    decode_url: str | None = None
+    # Wall-clock seconds after which the prefill worker refuses it.
+    expires_at_s: float
+    signature: str
 
 
 class PrefillRequest(_Model):
@@ -129,14 +179,15 @@ class PrefillRequest(_Model):
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingModel
-    # None: prefill only, nothing to transfer (the KV is released at once).
-    reservation: Reservation | None = None
+    # None: prefill only, nothing to transfer (the KV is released at once). Its `decode_url`
+    # is told at once (POST /kv_abort) when the send is given up, so its /decode fails now
+    # instead of when the reservation's lease ends.
+    reservation: SignedReservation | None = None
     lease_ttl_s: float = Field(default=30.0, gt=0)
     # Sends of the KV (first try included) before the prefill worker gives up on it.
     transfer_attempts: int = Field(default=4, ge=1, le=100)
-    # The decode worker's control URL: told at once (POST /kv_abort) when the send is given
-    # up, so its /decode fails now instead of when the reservation's lease ends.
-    decode_url: str | None = None
+    # Seconds the router still waits for this request (see the module docstring).
+    deadline_s: float | None = Field(default=None, gt=0)
 
 
 class RenewRequest(_Model):
@@ -184,8 +235,11 @@ class DecodeRequest(_Model):
 
     request_id: str
     first_token_id: int
-    # Give up (and free the reservation) if the KV is not verified by then.
+    # Give up (and free the reservation) if the KV is not verified by then; the reservation's
+    # lease ends it sooner if the transfer stops making progress.
     kv_timeout_s: float = Field(default=30.0, gt=0)
+    # Seconds the router still waits for this request, its tokens included.
+    deadline_s: float | None = Field(default=None, gt=0)
 
 
 class GenerateRequest(_Model):
@@ -197,6 +251,23 @@ class GenerateRequest(_Model):
     # Tokens already sent to the client by a worker that died: generation resumes after them
     # (migration). The stream carries only the tokens that follow.
     output_token_ids: list[int] = Field(default_factory=list)
+    # Seconds the router still waits for this request.
+    deadline_s: float | None = Field(default=None, gt=0)
+
+
+class HandoffInfo(_Model):
+    """How a request's KV reached the decode worker (on the first line of /decode)."""
+
+    # "" when nothing travelled (the whole prompt was cached on the decode worker).
+    transport: str
+    num_bytes: int
+    # From the sender's Begin to its verified Commit.
+    seconds: float
+    # Far below the transport's expected rate (the router's breaker counts it as a failure).
+    slow: bool
+    # The value check before the first token: "exact", "tolerance", "off" (disabled), or
+    # "none" (nothing travelled).
+    canary: str
 
 
 class TokenEvent(_Model):
@@ -207,6 +278,11 @@ class TokenEvent(_Model):
     # "stop" or "length" once finished; "error" with `error` set if the worker failed it.
     finish_reason: str | None = None
     error: str | None = None
+    # The error's class (pdserve.errors) when `error` is set, so the router acts on a type,
+    # not on words: e.g. "KVValueMismatch", "KVNotReady", "DeadlineExceeded".
+    error_type: str | None = None
+    # /decode's first line: how the KV came.
+    handoff: HandoffInfo | None = None
 
 
 class ReleaseRequest(_Model):
@@ -276,3 +352,6 @@ class FaultState(_Model):
     injected: list[InjectedFaultModel]
     # Hits counted per site since the plan was set.
     hits: dict[str, int]
+
+
+WorkerHealth.model_rebuild()

@@ -16,16 +16,20 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 
+from pdserve.auth.signing import CallVerifier
 from pdserve.engine.engine import Engine
 from pdserve.faults import FaultInjector, parse_rules
 from pdserve.membership import Member, Registration, open_registration
 from pdserve.observability.timeline_log import EventRing
+from pdserve.transfer.receiver import ReceiverLimits
 from pdserve.transfer.sender import SendPolicy
+from pdserve.worker import kv_transports
 from pdserve.worker.app import WorkerAPI
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.engine_loop import EngineLoop
@@ -33,6 +37,7 @@ from pdserve.worker.give_up_notice import http_give_up_notice
 from pdserve.worker.kv_inbox import KVInbox
 from pdserve.worker.kv_outbox import KVOutbox
 from pdserve.worker.lease_keeper import LeaseKeeper
+from pdserve.worker.transport_stats import TransportStats
 
 # Seconds in-flight HTTP handlers get to finish when the worker stops.
 SHUTDOWN_TIMEOUT_S = 2.0
@@ -68,15 +73,32 @@ class Worker:
     async def start(self) -> str:
         """Bring every part up; returns the HTTP URL once it listens."""
         c = self.config
+        # An explicit transport that cannot work here fails the start, naming why.
+        transports = kv_transports.local_transports(c.kv_transport)
         info = await self.engine.start()
         self.leases.start()
+        stats = TransportStats()
         if c.serves_decode:
             self.inbox = KVInbox(
-                self.engine, info, self.leases, faults=self.faults, events=self.events
+                self.engine,
+                info,
+                self.leases,
+                faults=self.faults,
+                events=self.events,
+                cluster_key=c.kv_key,
+                limits=ReceiverLimits(
+                    handshake_timeout_s=c.kv_handshake_timeout_s,
+                    frame_timeout_s=max(c.transfer_chunk_timeout_s, 1.0) * 5,
+                ),
+                transports=transports,
+                max_connections=c.kv_max_connections,
+                stats=stats,
             )
             await self.inbox.start(c.host, c.kv_port, c.advertise_host)
         if c.serves_prefill:
-            policy = SendPolicy(chunk_timeout_s=c.transfer_chunk_timeout_s)
+            policy = SendPolicy(
+                chunk_timeout_s=c.transfer_chunk_timeout_s, frame_bytes=c.kv_frame_bytes
+            )
             # For the give-up notices to decode workers (the only calls a worker makes).
             self._session = aiohttp.ClientSession()
             self.outbox = KVOutbox(
@@ -86,8 +108,11 @@ class Worker:
                 policy,
                 faults=self.faults,
                 events=self.events,
-                give_up=http_give_up_notice(self._session),
+                give_up=http_give_up_notice(self._session, c.http_key),
+                cluster_key=c.kv_key,
+                stats=stats,
             )
+        http_key = c.http_key
         api = WorkerAPI(
             c,
             info,
@@ -97,6 +122,8 @@ class Worker:
             self.outbox,
             faults=self.faults,
             events=self.events,
+            verifier=None if http_key is None else CallVerifier(http_key, time.time),
+            local_transports=transports,
         )
         # handler_cancellation: a client that disconnects cancels its handler, whose cleanup
         # aborts the request in the engine.

@@ -82,7 +82,9 @@ async def disaggregated(
         session = SenderSession(tid, dataclasses.asdict(prefill.model.fingerprint))
         outgoing = OutgoingTransfer(tid, "r", 1, layout, len(prompt), digest, token, src)
         policy = SendPolicy(
-            chunk_blocks=2, chunk_timeout_s=2.0, backoff=BackoffPolicy(0.001, 0.01, 3)
+            frame_bytes=2 * layout.block_bytes,
+            chunk_timeout_s=2.0,
+            backoff=BackoffPolicy(0.001, 0.01, 3),
         )
         report = await send_with_retries(
             connect,

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 import pytest
+from cluster_auth import SignedSession, signed_reservation, signed_session
 from worker_proc import WorkerHandle, launch_worker, wait_ready, worker_processes
 
 from pdserve import LLM
@@ -54,33 +55,33 @@ def llm(tiny_model_path: Path) -> LLM:
     return LLM(model=str(tiny_model_path))
 
 
-def run(body: Callable[[aiohttp.ClientSession], Awaitable[T]]) -> T:
+def run(body: Callable[[SignedSession], Awaitable[T]]) -> T:
     async def main() -> T:
-        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        async with signed_session(TIMEOUT) as session:
             return await body(session)
 
     return asyncio.run(main())
 
 
-async def post(session: aiohttp.ClientSession, url: str, body: object) -> tuple[int, Any]:
+async def post(session: SignedSession, url: str, body: object) -> tuple[int, Any]:
     async with session.post(url, json=body) as response:
         return response.status, await response.json()
 
 
-async def stream(session: aiohttp.ClientSession, url: str, body: object) -> list[dict[str, Any]]:
+async def stream(session: SignedSession, url: str, body: object) -> list[dict[str, Any]]:
     async with session.post(url, json=body) as response:
         assert response.status == 200, await response.text()
         return [json.loads(line) async for line in response.content if line.strip()]
 
 
-async def health(session: aiohttp.ClientSession, worker: WorkerHandle) -> dict[str, Any]:
+async def health(session: SignedSession, worker: WorkerHandle) -> dict[str, Any]:
     async with session.get(f"{worker.url}/health") as response:
         assert response.status == 200
         data: dict[str, Any] = await response.json()
         return data
 
 
-async def until_idle(session: aiohttp.ClientSession, *workers: WorkerHandle) -> None:
+async def until_idle(session: SignedSession, *workers: WorkerHandle) -> None:
     """Poll health until every worker has no pinned block, all blocks free, no lease."""
     for _ in range(100):
         states = [await health(session, w) for w in workers]
@@ -105,7 +106,7 @@ def colocated(llm: LLM, prompt: list[int], sampling: dict[str, Any]) -> list[int
 
 
 def test_health_of_each_role(workers: Workers) -> None:
-    async def body(session: aiohttp.ClientSession) -> None:
+    async def body(session: SignedSession) -> None:
         for worker in (workers.prefill, workers.decode, workers.both):
             h = await health(session, worker)
             assert (h["role"], h["pid"]) == (worker.role, worker.pid)
@@ -150,13 +151,15 @@ def test_disaggregated_across_two_processes_equals_colocated(
     prompt = prompt_of(75, 2)
     rid = f"pd-{sampling['temperature']}"
 
-    async def body(session: aiohttp.ClientSession) -> list[int]:
+    async def body(session: SignedSession) -> list[int]:
         request = {"request_id": rid, "prompt_token_ids": prompt, "sampling": sampling}
         status, reservation = await post(session, f"{workers.decode.url}/reserve", request)
         assert status == 200, reservation
-        assert reservation["transfer_address"] == workers.decode.health["transfer_address"]
+        tcp = next(e for e in reservation["endpoints"] if e["transport"] == "tcp")
+        assert tcp["address"] == workers.decode.health["transfer_address"]
+        signed = signed_reservation(reservation, workers.decode.url)
         status, result = await post(
-            session, f"{workers.prefill.url}/prefill", {**request, "reservation": reservation}
+            session, f"{workers.prefill.url}/prefill", {**request, "reservation": signed}
         )
         assert status == 200, result
         assert result["num_prompt_tokens"] == 75
@@ -170,7 +173,7 @@ def test_disaggregated_across_two_processes_equals_colocated(
 
 
 def test_reservation_whose_kv_never_arrives_expires_and_frees_blocks(workers: Workers) -> None:
-    async def body(session: aiohttp.ClientSession) -> None:
+    async def body(session: SignedSession) -> None:
         request = {
             "request_id": "lost",
             "prompt_token_ids": prompt_of(50, 3),
@@ -193,7 +196,7 @@ def test_reservation_whose_kv_never_arrives_expires_and_frees_blocks(workers: Wo
 def test_decode_without_kv_reports_an_error_event_and_frees_the_reservation(
     workers: Workers,
 ) -> None:
-    async def body(session: aiohttp.ClientSession) -> None:
+    async def body(session: SignedSession) -> None:
         request = {"request_id": "slow", "prompt_token_ids": prompt_of(20, 4), "sampling": GREEDY}
         status, _ = await post(session, f"{workers.decode.url}/reserve", request)
         assert status == 200
@@ -208,7 +211,7 @@ def test_decode_without_kv_reports_an_error_event_and_frees_the_reservation(
 
 
 def test_full_decode_worker_answers_503_and_release_frees(workers: Workers) -> None:
-    async def body(session: aiohttp.ClientSession) -> None:
+    async def body(session: SignedSession) -> None:
         sampling = {"max_tokens": 16, "temperature": 0.0}
         statuses = []
         for i in range(33):  # 126 blocks each (2000 prompt tokens + 1): 32 fit in 4096
@@ -233,7 +236,7 @@ def test_full_decode_worker_answers_503_and_release_frees(workers: Workers) -> N
 
 
 def test_client_disconnect_mid_stream_aborts_the_request(workers: Workers) -> None:
-    async def body(session: aiohttp.ClientSession) -> None:
+    async def body(session: SignedSession) -> None:
         long = {"max_tokens": 1000, "temperature": 0.0, "ignore_eos": True}
         request = {"request_id": "gone", "prompt_token_ids": prompt_of(30, 5), "sampling": long}
         async with session.post(f"{workers.both.url}/generate", json=request) as response:
@@ -245,7 +248,7 @@ def test_client_disconnect_mid_stream_aborts_the_request(workers: Workers) -> No
 
 
 def test_bad_bodies_are_400_naming_the_field(workers: Workers) -> None:
-    async def body(session: aiohttp.ClientSession) -> None:
+    async def body(session: SignedSession) -> None:
         url = f"{workers.both.url}/generate"
         base = {"request_id": "bad", "prompt_token_ids": [5, 6]}
         cases = [
@@ -263,20 +266,36 @@ def test_bad_bodies_are_400_naming_the_field(workers: Workers) -> None:
             "request_id": "r",
             "transfer_id": "zz",
             "capability_token": "00" * 16,
-            "transfer_address": "127.0.0.1:1",
+            "endpoints": [{"transport": "tcp", "address": "127.0.0.1:1"}],
+            "lease_epoch": 1,
             "num_cached_tokens": 0,
             "lease_ttl_s": 1.0,
         }
-        prefill = {**base, "sampling": {}, "reservation": reservation}
+        prefill = {**base, "sampling": {}, "reservation": signed_reservation(reservation)}
         status, error = await post(session, f"{workers.prefill.url}/prefill", prefill)
         assert (status, "reservation.transfer_id" in error["error"]) == (400, True)
+        # Each bad field of a reservation is named, and nothing is prefilled for it.
+        for change, field in (
+            ({"transfer_id": "00" * 16, "endpoints": [{"transport": "rdma", "address": "h:1"}]},
+             "endpoints.0.transport"),
+            ({"transfer_id": "00" * 16, "endpoints": [{"transport": "tcp", "address": "nope"}]},
+             "reservation.endpoints[0].address"),
+            ({"transfer_id": "00" * 16, "endpoints": []}, "endpoints"),
+        ):  # fmt: skip
+            bad = {**reservation, **change}
+            body_ = {**base, "sampling": {}, "reservation": {"reservation": bad,
+                     "expires_at_s": 1e12, "signature": "x"}}  # fmt: skip
+            if field.startswith("reservation."):
+                body_["reservation"] = signed_reservation(bad)
+            status, error = await post(session, f"{workers.prefill.url}/prefill", body_)
+            assert (status, field in error["error"]) == (400, True), error
         await until_idle(session, workers.both, workers.prefill)
 
     run(body)
 
 
 def test_wrong_role_is_409(workers: Workers) -> None:
-    async def body(session: aiohttp.ClientSession) -> None:
+    async def body(session: SignedSession) -> None:
         request = {"request_id": "w", "prompt_token_ids": [5, 6], "sampling": {}}
         cases = [
             (workers.decode, "/prefill", request),

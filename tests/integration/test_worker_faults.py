@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 import pytest
+from cluster_auth import SignedSession, signed_model, signed_session
 from worker_proc import WorkerHandle, launch_worker, wait_ready, worker_processes
 
 from pdserve.faults import parse_rule
@@ -69,22 +70,22 @@ def workers(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> 
             assert handle.stop() == 0, handle.log()
 
 
-def run(body: Callable[[aiohttp.ClientSession], Awaitable[T]]) -> T:
+def run(body: Callable[[SignedSession], Awaitable[T]]) -> T:
     async def main() -> T:
-        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        async with signed_session(TIMEOUT) as session:
             return await body(session)
 
     return asyncio.run(main())
 
 
-async def post(session: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, Any]:
+async def post(session: SignedSession, url: str, body: Any) -> tuple[int, Any]:
     async with session.post(url, data=body.model_dump_json()) as response:
         if response.content_type != "application/json":
             return response.status, await response.text()  # aiohttp's own 404 is plain text
         return response.status, await response.json()
 
 
-async def set_faults(session: aiohttp.ClientSession, worker: WorkerHandle, *rules: str) -> None:
+async def set_faults(session: SignedSession, worker: WorkerHandle, *rules: str) -> None:
     plan = FaultPlanBody(rules=list(rules))
     status, state = await post(session, f"{worker.url}/admin/faults", plan)
     assert status == 200, state
@@ -92,7 +93,7 @@ async def set_faults(session: aiohttp.ClientSession, worker: WorkerHandle, *rule
     assert FaultState.model_validate(state).rules == [parse_rule(r).spec() for r in rules]
 
 
-async def faults_of(session: aiohttp.ClientSession, worker: WorkerHandle) -> FaultState:
+async def faults_of(session: SignedSession, worker: WorkerHandle) -> FaultState:
     async with session.get(f"{worker.url}/admin/faults") as response:
         assert response.status == 200
         return FaultState.model_validate(await response.json())
@@ -111,7 +112,7 @@ async def read_events(response: aiohttp.ClientResponse) -> tuple[list[TokenEvent
 
 
 async def disaggregated(
-    session: aiohttp.ClientSession, w: Workers, request_id: str
+    session: SignedSession, w: Workers, request_id: str
 ) -> tuple[list[int], bool]:
     """reserve on decode -> prefill -> decode; (every token, whether the stream ended cleanly)."""
     prompt = [random.Random(5).randrange(3, 2048) for _ in range(40)]
@@ -122,7 +123,7 @@ async def disaggregated(
         request_id=request_id,
         prompt_token_ids=prompt,
         sampling=GREEDY,
-        reservation=Reservation.model_validate(body),
+        reservation=signed_model(Reservation.model_validate(body), w.decode.url),
     )
     status, body = await post(session, f"{w.prefill.url}/prefill", prefill)
     assert status == 200, body
@@ -134,7 +135,7 @@ async def disaggregated(
     return [first] + [t for e in events for t in e.token_ids], clean
 
 
-async def until_idle(session: aiohttp.ClientSession, *workers: WorkerHandle) -> None:
+async def until_idle(session: SignedSession, *workers: WorkerHandle) -> None:
     """Poll health until no worker holds a pinned block, a lease or a running request."""
     for _ in range(100):
         states = []
@@ -155,7 +156,7 @@ async def until_idle(session: aiohttp.ClientSession, *workers: WorkerHandle) -> 
 def reference(workers: Workers) -> list[int]:
     """The tokens of the disaggregated request with no fault."""
 
-    async def body(session: aiohttp.ClientSession) -> list[int]:
+    async def body(session: SignedSession) -> list[int]:
         tokens, clean = await disaggregated(session, workers, "reference")
         assert clean and len(tokens) == GREEDY.max_tokens
         return tokens
@@ -164,7 +165,7 @@ def reference(workers: Workers) -> list[int]:
 
 
 def test_without_the_admin_flag_the_admin_routes_do_not_exist(workers: Workers) -> None:
-    async def body(session: aiohttp.ClientSession) -> None:
+    async def body(session: SignedSession) -> None:
         url = f"{workers.crashing.url}/admin/faults"
         status, _ = await post(session, url, FaultPlanBody(rules=[]))
         assert status == 404
@@ -177,7 +178,7 @@ def test_without_the_admin_flag_the_admin_routes_do_not_exist(workers: Workers) 
 def test_a_crash_before_the_prefill_reply_kills_the_process(workers: Workers) -> None:
     request = PrefillRequest(request_id="doomed", prompt_token_ids=[5, 6, 7], sampling=GREEDY)
 
-    async def body(session: aiohttp.ClientSession) -> None:
+    async def body(session: SignedSession) -> None:
         with pytest.raises(aiohttp.ClientConnectionError):
             await post(session, f"{workers.crashing.url}/prefill", request)
 
@@ -192,14 +193,14 @@ def test_a_crash_mid_transfer_kills_the_sender_and_the_reservation_is_freed(
     prompt = list(range(10, 50))
     reserve = ReserveRequest(request_id="orphan", prompt_token_ids=prompt, sampling=GREEDY)
 
-    async def body(session: aiohttp.ClientSession) -> list[TokenEvent]:
+    async def body(session: SignedSession) -> list[TokenEvent]:
         status, reservation = await post(session, f"{workers.decode.url}/reserve", reserve)
         assert status == 200, reservation
         prefill = PrefillRequest(
             request_id="orphan",
             prompt_token_ids=prompt,
             sampling=GREEDY,
-            reservation=Reservation.model_validate(reservation),
+            reservation=signed_model(Reservation.model_validate(reservation)),
         )
         # The send runs beside the reply: the process may die before or after answering.
         with contextlib.suppress(aiohttp.ClientConnectionError):
@@ -220,7 +221,7 @@ def test_a_crash_mid_transfer_kills_the_sender_and_the_reservation_is_freed(
 
 
 def test_a_corrupted_kv_send_is_caught_and_resent(workers: Workers, reference: list[int]) -> None:
-    async def body(session: aiohttp.ClientSession) -> tuple[list[int], FaultState]:
+    async def body(session: SignedSession) -> tuple[list[int], FaultState]:
         await set_faults(session, workers.prefill, "transfer.send:corrupt:after=1")
         try:
             tokens, clean = await disaggregated(session, workers, "corrupt")
@@ -240,7 +241,7 @@ def test_a_corrupted_kv_send_is_caught_and_resent(workers: Workers, reference: l
 def test_a_kv_connection_dropped_at_a_chunk_is_retried(
     workers: Workers, reference: list[int]
 ) -> None:
-    async def body(session: aiohttp.ClientSession) -> tuple[list[int], FaultState]:
+    async def body(session: SignedSession) -> tuple[list[int], FaultState]:
         await set_faults(session, workers.decode, "transfer.recv_chunk:close")
         try:
             tokens, clean = await disaggregated(session, workers, "dropped")
@@ -260,7 +261,7 @@ def test_a_kv_connection_dropped_at_a_chunk_is_retried(
 def test_a_close_after_three_tokens_cuts_the_decode_stream(
     workers: Workers, reference: list[int]
 ) -> None:
-    async def body(session: aiohttp.ClientSession) -> tuple[list[int], bool]:
+    async def body(session: SignedSession) -> tuple[list[int], bool]:
         await set_faults(session, workers.decode, "worker.decode_tokens:close:after=3")
         try:
             result = await disaggregated(session, workers, "cut")
@@ -282,7 +283,7 @@ def test_a_close_at_reserve_or_prefill_drops_the_call_and_the_worker_serves_on(
     request = ReserveRequest(request_id="closed", prompt_token_ids=[5, 6, 7], sampling=GREEDY)
     prefill = PrefillRequest.model_validate(request.model_dump())
 
-    async def body(session: aiohttp.ClientSession) -> list[int]:
+    async def body(session: SignedSession) -> list[int]:
         await set_faults(session, workers.decode, "worker.reserve:close")
         await set_faults(session, workers.prefill, "worker.prefill:close")
         try:
@@ -305,7 +306,7 @@ def test_a_close_at_reserve_or_prefill_drops_the_call_and_the_worker_serves_on(
 def test_a_delay_at_prefill_holds_the_reply(workers: Workers) -> None:
     request = PrefillRequest(request_id="slow", prompt_token_ids=[5, 6, 7], sampling=GREEDY)
 
-    async def body(session: aiohttp.ClientSession) -> float:
+    async def body(session: SignedSession) -> float:
         await set_faults(session, workers.prefill, "worker.prefill:delay:delay_s=0.3")
         try:
             loop = asyncio.get_running_loop()
@@ -321,7 +322,7 @@ def test_a_delay_at_prefill_holds_the_reply(workers: Workers) -> None:
 
 
 def test_a_bad_rule_posted_is_400_naming_it(workers: Workers) -> None:
-    async def body(session: aiohttp.ClientSession) -> tuple[int, Any]:
+    async def body(session: SignedSession) -> tuple[int, Any]:
         plan = FaultPlanBody(rules=["worker.prefill:delay", "worker.reserve:corrupt"])
         return await post(session, f"{workers.decode.url}/admin/faults", plan)
 
@@ -342,7 +343,7 @@ def test_a_bad_fault_flag_exits_2_naming_it() -> None:
 
 
 def test_admin_state_is_json_of_the_plan(workers: Workers) -> None:
-    async def body(session: aiohttp.ClientSession) -> Any:
+    async def body(session: SignedSession) -> Any:
         await set_faults(session, workers.prefill, "worker.prefill:delay:delay_s=0.01,times=0")
         async with session.get(f"{workers.prefill.url}/admin/faults") as response:
             state = await response.json()
@@ -365,7 +366,7 @@ def test_a_send_given_up_fails_the_decode_at_once_not_at_lease_end(workers: Work
     (POST /kv_abort, authenticated by the reservation's token), whose /decode then fails with
     the reason long before the reservation's 20 s lease would have ended it."""
 
-    async def body(session: aiohttp.ClientSession) -> tuple[float, list[TokenEvent]]:
+    async def body(session: SignedSession) -> tuple[float, list[TokenEvent]]:
         await set_faults(session, workers.prefill, "transfer.send:close:times=0")
         prompt = [random.Random(9).randrange(3, 2048) for _ in range(40)]
         reserve = ReserveRequest(
@@ -387,10 +388,9 @@ def test_a_send_given_up_fails_the_decode_at_once_not_at_lease_end(workers: Work
             request_id="abandoned",
             prompt_token_ids=prompt,
             sampling=GREEDY,
-            reservation=reservation,
+            reservation=signed_model(reservation, workers.decode.url),
             lease_ttl_s=20,
             transfer_attempts=1,
-            decode_url=workers.decode.url,
         )
         start = asyncio.get_running_loop().time()
         status, answer = await post(session, f"{workers.prefill.url}/prefill", prefill)
@@ -410,7 +410,7 @@ def test_a_send_given_up_fails_the_decode_at_once_not_at_lease_end(workers: Work
 
 
 def test_renew_keeps_a_reservation_past_its_ttl_and_lapses_without(workers: Workers) -> None:
-    async def body(session: aiohttp.ClientSession) -> None:
+    async def body(session: SignedSession) -> None:
         prompt = [random.Random(11).randrange(3, 2048) for _ in range(40)]
         reserve = ReserveRequest(
             request_id="renewed", prompt_token_ids=prompt, sampling=GREEDY, lease_ttl_s=1.0

@@ -108,10 +108,12 @@ def test_a_rule_built_directly_is_validated_too() -> None:
 
 
 def test_only_transfer_send_damages_bytes() -> None:
-    assert allowed_actions(SEND) == tuple(FaultKind)
-    for site in FaultSite:
-        if site is not SEND:
-            assert set(allowed_actions(site)) == {"delay", "close", "stall", "crash"}
+    assert set(allowed_actions(SEND)) == set(FaultKind) - {FaultKind.SHIFT}
+    # KV in memory: damaged before its checksum, or landed one block off (the canary's tests).
+    assert allowed_actions(FaultSite.TRANSFER_SOURCE_KV) == (FaultKind.CORRUPT,)
+    assert allowed_actions(FaultSite.TRANSFER_RECV_MAP) == (FaultKind.SHIFT,)
+    for site in set(FaultSite) - {SEND, FaultSite.TRANSFER_SOURCE_KV, FaultSite.TRANSFER_RECV_MAP}:
+        assert set(allowed_actions(site)) == {"delay", "close", "stall", "crash"}
     assert {s.value for s in FaultSite} == {
         "router.before_reserve",
         "router.after_prefill",
@@ -121,6 +123,8 @@ def test_only_transfer_send_damages_bytes() -> None:
         "worker.decode_tokens",
         "transfer.send",
         "transfer.recv_chunk",
+        "transfer.source_kv",
+        "transfer.recv_map",
     }
 
 

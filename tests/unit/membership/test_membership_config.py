@@ -68,4 +68,9 @@ def test_worker_config_errors(fields: dict[str, object], message: str) -> None:
 
 
 def test_without_discovery_nothing_membership_is_checked() -> None:
-    assert WorkerConfig(worker_id="a/b", host="0.0.0.0", membership_ttl_s=0).discovery is None
+    assert (
+        WorkerConfig(
+            worker_id="a/b", host="0.0.0.0", membership_ttl_s=0, insecure_no_auth=True
+        ).discovery
+        is None
+    )

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.observability.request_stats import BREAKER_DETAIL, request_stats, retry_reason
-from pdserve.router.state import RequestState, RequestTimeline, Transition
+from pdserve.observability.request_stats import BREAKER_DETAIL, request_stats
+from pdserve.router.state import Reason, RequestState, RequestTimeline, Transition
 
 MS = 1_000_000
 
 
-def _timeline(states: list[tuple[str, int, str]], mode: str = "disagg") -> RequestTimeline:
-    history = [Transition(RequestState[s], ns, 0.0, d) for s, ns, d in states]
+def _timeline(
+    states: list[tuple[str, int, str] | tuple[str, int, str, Reason]], mode: str = "disagg"
+) -> RequestTimeline:
+    history = [
+        Transition(RequestState[s[0]], s[1], 0.0, s[2], s[3] if len(s) == 4 else None)
+        for s in states
+    ]
     return RequestTimeline("cmpl-1", mode, history)
 
 
@@ -24,7 +29,7 @@ def test_a_disaggregated_request_with_a_reprefill() -> None:
             ("PREFILLING", 3 * MS, ""),
             ("PREFILLED", 13 * MS, ""),
             ("TRANSFERRING", 13 * MS, ""),
-            ("RETRYING", 20 * MS, "handoff failed, re-prefill: KVNotReady"),
+            ("RETRYING", 20 * MS, "handoff failed, re-prefill: KVNotReady", Reason.REPREFILL),
             ("ROUTED", 21 * MS, ""),
             ("RESERVED", 22 * MS, ""),
             ("PREFILLING", 22 * MS, ""),
@@ -60,7 +65,13 @@ def test_a_failed_request_has_no_e2e_nor_tpot() -> None:
 
 
 def test_a_breaker_fallback_and_a_local_prefill_are_fallbacks() -> None:
-    t = _timeline([("RECEIVED", 0, BREAKER_DETAIL), ("ROUTED", MS, ""), ("DECODING", 2 * MS, "")])
+    t = _timeline(
+        [
+            ("RECEIVED", 0, BREAKER_DETAIL, Reason.BREAKER_OPEN),
+            ("ROUTED", MS, ""),
+            ("DECODING", 2 * MS, ""),
+        ]
+    )
     assert request_stats(t).fallbacks == ("breaker_open",)
     t = _timeline(
         [
@@ -68,10 +79,10 @@ def test_a_breaker_fallback_and_a_local_prefill_are_fallbacks() -> None:
             ("ROUTED", MS, ""),
             ("RESERVED", 2 * MS, ""),
             ("PREFILLING", 2 * MS, ""),
-            ("RETRYING", 3 * MS, "local prefill: WorkerUnreachable"),
+            ("RETRYING", 3 * MS, "local prefill: WorkerUnreachable", Reason.LOCAL_PREFILL),
             ("ROUTED", 4 * MS, ""),
             ("DECODING", 5 * MS, ""),
-            ("RETRYING", 6 * MS, "migrate after 3 tokens: cut"),
+            ("RETRYING", 6 * MS, "migrate after 3 tokens: cut", Reason.MIGRATION),
         ]
     )
     s = request_stats(t)
@@ -79,23 +90,32 @@ def test_a_breaker_fallback_and_a_local_prefill_are_fallbacks() -> None:
     assert s.fallbacks == ("local_prefill",) and s.num_migrations == 1
 
 
-@pytest.mark.parametrize(
-    ("detail", "mode", "reason"),
-    [
-        ("local prefill: x", "disagg", "local_prefill"),
-        ("handoff failed, re-prefill: x", "disagg", "reprefill"),
-        ("migrate after 4 tokens: x", "disagg", "migration"),
-        ("prefill failed: x", "disagg", "prefill_failed"),
-        ("migration 1 failed: x", "disagg", "resume_failed"),
-        ("local prefill 2 failed: x", "disagg", "resume_failed"),
-        (
-            "affinity: http://d holds the prefix, local prefill of the suffix 1 failed: x",
-            "disagg",
-            "resume_failed",
-        ),
-        ("worker http://d: 503 NoCapacity", "disagg", "reserve_refused"),
-        ("worker http://w: 503 NoCapacity", "colocated", "worker_refused"),
-    ],
-)
-def test_retry_reasons_are_a_bounded_set(detail: str, mode: str, reason: str) -> None:
-    assert retry_reason(detail, mode) == reason
+def test_retry_reasons_come_from_the_enum_not_the_words() -> None:
+    # The detail text is for people: a reworded detail changes no metric label.
+    t = _timeline(
+        [
+            ("RECEIVED", 0, ""),
+            ("RETRYING", MS, "anything at all", Reason.LOCAL_PREFILL),
+            ("ROUTED", 2 * MS, ""),
+            ("RETRYING", 3 * MS, "local prefill: looks like a fallback", Reason.RESUME_FAILED),
+        ]
+    )
+    assert request_stats(t).retries == ("local_prefill", "resume_failed")
+    assert {r.value for r in Reason} >= {
+        "reserve_refused",
+        "worker_refused",
+        "prefill_failed",
+        "reprefill",
+        "local_prefill",
+        "migration",
+        "resume_failed",
+    }
+
+
+def test_retrying_without_a_reason_is_refused() -> None:
+    t = RequestTimeline("r", "disagg")
+    with pytest.raises(ValueError, match="RETRYING needs a Reason"):
+        t.advance(RequestState.RETRYING, "why")
+    assert t.state is RequestState.RECEIVED
+    t.retry(Reason.LOCAL_PREFILL, "no prefill worker")
+    assert t.state is RequestState.RETRYING

@@ -3,20 +3,28 @@
 It generates a fixed token script (`tokens[i]` for output token i), logs every call as
 (path, request_id) in `calls`, and can be told to refuse reservations (503), fail prefills
 (500, retryable or not) or fail generate. Runs on an aiohttp TestServer on loopback, port 0.
+Like a real worker it refuses control calls without the test cluster's signature (401/403),
+counting them in `refused`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from cluster_auth import HTTP_KEY
 
+from pdserve.auth.signing import CallVerifier
+from pdserve.worker.auth_middleware import auth_middleware
+from pdserve.worker.http_errors import error_middleware
 from pdserve.worker.protocol import (
     DecodeRequest,
     ErrorBody,
     GenerateRequest,
+    KVEndpoint,
     PrefillRequest,
     PrefillResult,
     ReleaseRequest,
@@ -51,11 +59,17 @@ class FakeWorker:
     cut_after_tokens: int | None = None
     # Refuse this many reservations (503) before accepting.
     refuse_reserve_times: int = 0
+    # Reservations (and the decodes they become) held at once; more are refused (503).
+    capacity: int | None = None
+    num_active: int = 0
     num_free_blocks: int = 100
     num_running: int = 0
+    # The fingerprint it reports (None: the router harness fills in the router's model).
+    fingerprint: dict[str, str | int | float] | None = None
     calls: list[tuple[str, str]] = field(default_factory=list)
     reserved: dict[str, ReserveRequest] = field(default_factory=dict)
     server: TestServer | None = None
+    verifier: CallVerifier = field(default_factory=lambda: CallVerifier(HTTP_KEY, time.time))
 
     @property
     def url(self) -> str:
@@ -67,7 +81,9 @@ class FakeWorker:
         return [p for p, _ in self.calls if p != "/health"]
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(
+            middlewares=[error_middleware(self.worker_id), auth_middleware(self.verifier)]
+        )
         app.router.add_get("/health", self.health)
         app.router.add_post("/reserve", self.reserve)
         app.router.add_post("/prefill", self.prefill)
@@ -92,7 +108,7 @@ class FakeWorker:
             worker_id=self.worker_id,
             role=self.role,  # type: ignore[arg-type]
             pid=0,
-            fingerprint={"arch": "tiny"},
+            fingerprint=self.fingerprint or {"arch": "tiny"},
             fingerprint_digest=self.digest,
             transfer_address="127.0.0.1:1" if self.role != "prefill" else None,
             max_model_len=256,
@@ -109,15 +125,18 @@ class FakeWorker:
     async def reserve(self, request: web.Request) -> web.Response:
         body = ReserveRequest.model_validate_json(await request.read())
         self.calls.append(("/reserve", body.request_id))
-        if self.refuse_reserve or self.refuse_reserve_times > 0:
+        full = self.capacity is not None and self.num_active >= self.capacity
+        if self.refuse_reserve or self.refuse_reserve_times > 0 or full:
             self.refuse_reserve_times -= 1
             return _error(503, "no free blocks", "NoCapacity", retryable=True)
         self.reserved[body.request_id] = body
+        self.num_active += 1
         res = Reservation(
             request_id=body.request_id,
             transfer_id="00" * 16,
             capability_token="11" * 16,
-            transfer_address="127.0.0.1:1",
+            endpoints=[KVEndpoint(transport="tcp", address="127.0.0.1:1")],
+            lease_epoch=1,
             num_cached_tokens=0,
             lease_ttl_s=body.lease_ttl_s,
         )
@@ -153,12 +172,22 @@ class FakeWorker:
         reserved = self.reserved.pop(body.request_id, None)
         if reserved is None:
             return _error(404, "unknown request", "RequestNotFound")
+        try:
+            return await self._decode(request, reserved)
+        finally:
+            self.num_active -= 1
+
+    async def _decode(self, request: web.Request, reserved: ReserveRequest) -> web.StreamResponse:
         if self.fail_kv_times > 0:
             self.fail_kv_times -= 1
             resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
             await resp.prepare(request)
             event = TokenEvent(
-                token_ids=[], finished=True, finish_reason="error", error="KVNotReady: never came"
+                token_ids=[],
+                finished=True,
+                finish_reason="error",
+                error="KVNotReady: never came",
+                error_type="KVNotReady",
             )
             await resp.write(event.model_dump_json().encode() + b"\n")
             await resp.write_eof()
@@ -177,6 +206,8 @@ class FakeWorker:
         body = ReleaseRequest.model_validate_json(await request.read())
         self.calls.append(("/release", body.request_id))
         freed = self.reserved.pop(body.request_id, None)
+        if freed is not None:
+            self.num_active -= 1
         return _json(ReleaseResult(request_id=body.request_id, num_freed_blocks=int(bool(freed))))
 
     async def _stream(

@@ -9,10 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp.test_utils import TestClient, TestServer
+from cluster_auth import SECRET
 from fake_worker import FakeWorker
 
 from pdserve.router.app import create_app
 from pdserve.router.config import Mode, RouterConfig
+from pdserve.router.model_check import router_model_fields
 
 
 @asynccontextmanager
@@ -23,10 +25,20 @@ async def router(
     api_key: str | None = None,
     **config: Any,
 ) -> AsyncIterator[TestClient]:  # type: ignore[type-arg]
-    """Start `workers` and a router over them; `config` overrides RouterConfig fields."""
+    """Start `workers` and a router over them; `config` overrides RouterConfig fields.
+
+    The fake workers report the router's model fields in their fingerprint (unless a test
+    set another) and check every call's cluster signature."""
+    fields = router_model_fields(model)
     for w in workers:
+        if w.fingerprint is None:
+            w.fingerprint = dict(fields)
         await w.start()
-    settings: dict[str, Any] = {"health_poll_interval_s": 60.0, **config}
+    settings: dict[str, Any] = {
+        "health_poll_interval_s": 60.0,
+        "cluster_secret": SECRET,
+        **config,
+    }
     router_config = RouterConfig(
         workers=tuple(w.url for w in workers), model=model, mode=mode, api_key=api_key, **settings
     )

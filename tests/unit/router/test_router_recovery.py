@@ -133,16 +133,25 @@ def test_decode_death_after_commit_migrates_after_the_sent_tokens(
 def test_refused_reservations_wait_in_the_queue_and_never_prefill_first(
     tiny_model_path: Path, tokens: list[int]
 ) -> None:
+    # Room for one request at a time: the second waits in the queue (no prefill, no polling)
+    # and is woken when the first one's release frees the slot, in arrival order.
     p = FakeWorker("prefill", tokens)
-    d = FakeWorker("decode", tokens, refuse_reserve_times=3)
+    d = FakeWorker("decode", tokens, capacity=1, token_delay_s=0.05)
     recovery = RecoveryConfig(queue_timeout_s=5.0)
 
     async def body() -> None:
         async with router(tiny_model_path, [p, d], recovery=recovery) as client:
-            resp = await client.post("/v1/completions", json=completion(3))
-            assert resp.status == 200, await resp.text()
-            assert d.paths()[:4] == ["/reserve"] * 4
-            assert p.paths() == ["/prefill"]
+            first = asyncio.create_task(client.post("/v1/completions", json=completion(6)))
+            while "/decode" not in d.paths():
+                await asyncio.sleep(0.01)
+            second = await client.post("/v1/completions", json=completion(3))
+            assert second.status == 200, await second.text()
+            assert (await first).status == 200
+            reserves = [rid for path, rid in d.calls if path == "/reserve"]
+            # The second was refused once, then reserved once after the first ended: woken by
+            # the release, never by a timer.
+            assert len(reserves) == 3 and reserves[1] == reserves[2] != reserves[0]
+            assert [path for path, _ in p.calls if path == "/prefill"] == ["/prefill"] * 2
 
     run(body)
 
@@ -175,7 +184,8 @@ def test_queue_gives_up_after_its_timeout(tiny_model_path: Path, tokens: list[in
             resp = await client.post("/v1/completions", json=completion(3))
             assert resp.status == 503
             assert "waited 0.3 s" in (await resp.json())["error"]["message"]
-            assert len(d.paths()) > 2 and p.paths() == []
+            # Nothing freed room meanwhile, so nothing woke it: one reserve, no polling.
+            assert d.paths() == ["/reserve"] and p.paths() == []
 
     run(body)
 

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from pdserve.errors import IllegalRequestTransition
-from pdserve.router.state import TERMINAL, TRANSITIONS, RequestState, RequestTimeline
+from pdserve.router.state import TERMINAL, TRANSITIONS, Reason, RequestState, RequestTimeline
 
 S = RequestState
 DISAGG_PATH = [
@@ -26,9 +26,13 @@ def _at(state: RequestState) -> RequestTimeline:
     path = paths[state] if state in paths else DISAGG_PATH[: DISAGG_PATH.index(state) + 1]
     timeline = RequestTimeline("r", "disagg")
     for target in path:
-        timeline.advance(target)
+        timeline.advance(target, reason=_reason(target))
     assert timeline.state is state
     return timeline
+
+
+def _reason(target: RequestState) -> Reason | None:
+    return Reason.MIGRATION if target is S.RETRYING else None
 
 
 @pytest.mark.parametrize(("current", "target"), list(itertools.product(S, S)))
@@ -36,12 +40,13 @@ def test_every_pair_follows_the_table(current: RequestState, target: RequestStat
     timeline = _at(current)
     before = list(timeline.history)
     if target in TRANSITIONS[current]:
-        timeline.advance(target, "why")
+        timeline.advance(target, "why", _reason(target))
         assert timeline.state is target
         assert timeline.history[-1].detail == "why"
+        assert timeline.history[-1].reason is _reason(target)
     else:
         with pytest.raises(IllegalRequestTransition):
-            timeline.advance(target)
+            timeline.advance(target, reason=_reason(target))
         assert timeline.history == before  # unchanged
 
 
@@ -69,9 +74,18 @@ def test_disagg_and_colocated_paths_with_timestamps() -> None:
     assert colocated.done
 
 
+def test_a_recovery_may_start_before_anything_was_routed() -> None:
+    # No prefill worker usable at all: the decode side prefills (the 500 of issue 14 was an
+    # illegal RECEIVED -> RETRYING here).
+    timeline = RequestTimeline("r", "disagg")
+    timeline.retry(Reason.LOCAL_PREFILL, "no prefill worker")
+    timeline.advance(S.ROUTED)
+    assert [t.state for t in timeline.history] == [S.RECEIVED, S.RETRYING, S.ROUTED]
+
+
 def test_retry_returns_to_an_earlier_state_and_fail_is_idempotent() -> None:
     timeline = _at(S.PREFILLING)
-    timeline.advance(S.RETRYING, "prefill worker died")
+    timeline.retry(Reason.PREFILL_FAILED, "prefill worker died")
     timeline.advance(S.ROUTED)
     timeline.fail("gave up")
     timeline.fail("again")  # no-op once terminal

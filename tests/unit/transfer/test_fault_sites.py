@@ -28,7 +28,9 @@ T = TypeVar("T")
 FP = {"model": "tiny", "dtype": "float32", "kv_block_size": 16}
 BLOCK_BYTES = 1024
 NUM_BLOCKS = 6
-FAST = SendPolicy(chunk_blocks=2, chunk_timeout_s=0.5, backoff=BackoffPolicy(0.001, 0.005, 4))
+FAST = SendPolicy(
+    frame_bytes=2 * BLOCK_BYTES, chunk_timeout_s=0.5, backoff=BackoffPolicy(0.001, 0.005, 4)
+)
 SEND = FaultSite.TRANSFER_SEND
 
 
@@ -163,7 +165,7 @@ def test_a_chunk_whose_reservation_went_away_during_the_hook_is_not_landed() -> 
     transfer, receiver, dest = make_transfer()
 
     async def on_chunk() -> bool:
-        receiver.forget(transfer.transfer_id)  # cancelled while the chunk was held up
+        await receiver.fence(transfer.transfer_id)  # cancelled while the chunk was held up
         return True
 
     receiver._on_chunk = on_chunk

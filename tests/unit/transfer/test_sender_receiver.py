@@ -34,7 +34,9 @@ from pdserve.transfer.stream import ByteStream
 BLOCK_BYTES = 4096
 NUM_BLOCKS = 10
 FP = {"model": "tiny", "dtype": "float32", "kv_block_size": 16}
-FAST = SendPolicy(chunk_blocks=3, chunk_timeout_s=0.5, backoff=BackoffPolicy(0.001, 0.005, 4))
+FAST = SendPolicy(
+    frame_bytes=3 * BLOCK_BYTES, chunk_timeout_s=0.5, backoff=BackoffPolicy(0.001, 0.005, 4)
+)
 
 
 @dataclass
@@ -169,7 +171,7 @@ def test_wrong_capability_token_gets_no_data_in() -> None:
 
 def test_unknown_transfer_is_refused() -> None:
     pair = make_pair()
-    pair.receiver.forget(pair.transfer.transfer_id)
+    run(pair.receiver.fence(pair.transfer.transfer_id))
     with pytest.raises(TransferRefused, match="UNKNOWN_TRANSFER"):
         run(send(pair))
 
@@ -230,6 +232,7 @@ def test_every_reply_from_the_receiver_renews_the_senders_lease() -> None:
     lease = table.grant(list(range(NUM_BLOCKS)), ttl=1.0, holder="prefill-1")
     pair = make_pair()
     run(send(pair, lease=LeaseHandle(table, lease.lease_id, lease.epoch, renew_ttl_s=7.0)))
-    # Hello, Begin and Commit are each answered once.
-    assert renewals == [7.0, 7.0, 7.0]
+    # Hello, Begin and Commit are each answered once, and each of the 4 chunks (10 blocks in
+    # frames of 3) the transport accepted is progress too.
+    assert renewals == [7.0] * (3 + 4)
     assert table.num_active == 0 and landed(pair)

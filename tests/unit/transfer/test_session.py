@@ -87,8 +87,10 @@ def make_begin(**changes: object) -> Begin:
 
 
 def chunk_of(first: int, num: int) -> tuple[Chunk, bytes]:
+    """Blocks [first, first + num) as one chunk (a byte range of the payload)."""
     data = b"".join(BLOCKS[first : first + num])
-    return Chunk(first, num, data_checksum([data])), data
+    bb = LAYOUT.block_bytes
+    return Chunk(first * bb, max(num, 1) * bb, data_checksum([data])), data
 
 
 def through_wire(out: Outbound, data: bytes = b"") -> Frame:
@@ -312,38 +314,58 @@ def test_corrupt_chunk_data_fails_the_attempt() -> None:
     refused_with(link, NackCode.CHECKSUM_MISMATCH)
 
 
+BB = LAYOUT.block_bytes
+
+
 @pytest.mark.parametrize(
     "chunks,bad,code",
     [
-        ([], Chunk(3, 2, 0), NackCode.CHUNK_OUT_OF_RANGE),
-        ([], Chunk(4, 1, 0), NackCode.CHUNK_OUT_OF_RANGE),
-        ([(0, 2)], Chunk(0, 2, 0), NackCode.CHUNK_OVERLAP),  # a duplicate
-        ([(0, 2)], Chunk(1, 1, 0), NackCode.CHUNK_OVERLAP),
-        ([(2, 2)], Chunk(1, 2, 0), NackCode.CHUNK_OVERLAP),
-        ([(1, 1)], Chunk(0, 3, 0), NackCode.CHUNK_OVERLAP),
+        # (offset, num_bytes) of the bad chunk, in bytes of the payload (4 blocks of 64).
+        ([], (3 * BB, 2 * BB), NackCode.CHUNK_OUT_OF_RANGE),
+        ([], (4 * BB, BB), NackCode.CHUNK_OUT_OF_RANGE),
+        ([], (4 * BB - 1, 2), NackCode.CHUNK_OUT_OF_RANGE),  # one byte past the end
+        ([(0, 2)], (0, 2 * BB), NackCode.CHUNK_OVERLAP),  # a duplicate
+        ([(0, 2)], (BB, BB), NackCode.CHUNK_OVERLAP),
+        ([(2, 2)], (BB, 2 * BB), NackCode.CHUNK_OVERLAP),
+        ([(1, 1)], (0, 3 * BB), NackCode.CHUNK_OVERLAP),
+        ([(1, 1)], (2 * BB - 1, 2), NackCode.CHUNK_OVERLAP),  # one byte into a chunk
     ],
 )
 def test_chunks_out_of_range_or_overlapping_are_refused(
-    chunks: list[tuple[int, int]], bad: Chunk, code: NackCode
+    chunks: list[tuple[int, int]], bad: tuple[int, int], code: NackCode
 ) -> None:
     link = opened()
     for first, num in chunks:
         chunk, data = chunk_of(first, num)
         link.exchange(link.sender.send_chunk(chunk), data)
-    data = b"\5" * (bad.num_blocks * LAYOUT.block_bytes)
-    bad = Chunk(bad.first_block, bad.num_blocks, data_checksum([data]))
+    offset, num_bytes = bad
+    data = b"\5" * num_bytes
+    bad_chunk = Chunk(offset, num_bytes, data_checksum([data]))
     with pytest.raises(ValueError):
-        link.sender.send_chunk(bad)  # the sender refuses to build it, too
+        link.sender.send_chunk(bad_chunk)  # the sender refuses to build it, too
     with pytest.raises(ProtocolError):
-        link.to_receiver(raw(1, 2 + len(chunks), bad), data)
+        link.to_receiver(raw(1, 2 + len(chunks), bad_chunk), data)
     refused_with(link, code)
+
+
+def test_a_block_may_travel_in_pieces_and_pieces_may_span_blocks() -> None:
+    # Byte ranges that cut blocks anywhere, out of order: the transfer still commits.
+    link = opened()
+    payload = b"".join(BLOCKS)
+    cuts = [(100, 70), (0, 100), (170, 86)]  # [100,170) [0,100) [170,256)
+    for offset, num in cuts:
+        data = payload[offset : offset + num]
+        chunk = Chunk(offset, num, data_checksum([data]))
+        assert link.exchange(link.sender.send_chunk(chunk), data) == []
+    assert link.exchange(link.sender.send_commit()) == [SenderAction.RELEASE_LEASE]
+    assert link.receiver.verified
 
 
 def test_a_chunk_whose_data_length_disagrees_with_its_blocks_is_refused() -> None:
     link = opened()
     data = BLOCKS[0] + b"\0"
     with pytest.raises(ProtocolError, match="data_len"):
-        link.to_receiver(raw(1, 2, Chunk(0, 1, data_checksum([data]))), data)
+        link.to_receiver(raw(1, 2, Chunk(0, BB, data_checksum([data]))), data)
     refused_with(link, NackCode.CHUNK_OUT_OF_RANGE)
 
 

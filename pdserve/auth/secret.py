@@ -1,0 +1,80 @@
+"""Where the cluster secret comes from, and the keys derived from it.
+
+Sources, first found wins: `--cluster-secret-file PATH` (the file's text, surrounding white
+space stripped), then the environment variable `PDSERVE_CLUSTER_SECRET`. A secret shorter than
+16 bytes is refused (ConfigError naming the source). `pdserve up` writes a fresh random secret
+(256 bits, hex) into a 0600 file per cluster and hands it to its children through the
+environment, never on a command line (`ps` would show it).
+
+Each use gets its own key, derived by HMAC-SHA256 from the secret under a label, so a MAC made
+for one purpose (an HTTP call) can never be replayed as another (a KV Hello).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.errors import ConfigError
+
+ENV_VAR = "PDSERVE_CLUSTER_SECRET"
+MIN_SECRET_BYTES = 16
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSecret:
+    """The shared secret of one cluster; `key(label)` is the key for one use."""
+
+    raw: bytes
+    # Where it came from ("file /path", "environment PDSERVE_CLUSTER_SECRET"), for messages.
+    source: str
+
+    def __post_init__(self) -> None:
+        if len(self.raw) < MIN_SECRET_BYTES:
+            raise ConfigError(
+                f"cluster secret from {self.source}: {len(self.raw)} bytes, need at least"
+                f" {MIN_SECRET_BYTES}"
+            )
+
+    def key(self, label: str) -> bytes:
+        """The 32-byte key for one use (e.g. "http", "kv-hello", "reservation")."""
+        return hmac.new(self.raw, b"pdserve/" + label.encode(), hashlib.sha256).digest()
+
+    def __repr__(self) -> str:  # never print the secret itself
+        return f"ClusterSecret(source={self.source!r})"
+
+
+def load_secret(
+    path: Path | None = None, environ: Mapping[str, str] | None = None
+) -> ClusterSecret | None:
+    """The configured secret, or None when neither the file nor the variable is given."""
+    if path is not None:
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ConfigError(f"cluster-secret-file: cannot read {path}: {exc}") from None
+        return ClusterSecret(text.strip().encode(), f"file {path}")
+    value = (os.environ if environ is None else environ).get(ENV_VAR)
+    if value is None:
+        return None
+    return ClusterSecret(value.strip().encode(), f"environment {ENV_VAR}")
+
+
+def new_secret_text() -> str:
+    """A fresh random secret (256 bits as hex)."""
+    return secrets.token_hex(32)
+
+
+def write_secret_file(path: Path, text: str | None = None) -> ClusterSecret:
+    """Write a secret (a fresh one unless `text`) to `path`, readable by this user only."""
+    text = text or new_secret_text()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+    return ClusterSecret(text.encode(), f"file {path}")

@@ -1,0 +1,156 @@
+"""Signatures the cluster checks: control calls (HTTP) and reservations. Pure, clock injected.
+
+**Calls.** Every worker control call carries `X-Pdserve-Auth: pdserve-v1 <ts> <nonce> <mac>`:
+`mac` is HMAC-SHA256 (the "http" key) over the method, path, timestamp, nonce and SHA-256 of
+the body. The worker refuses (`CallVerifier.verify`):
+- no header, or one that does not parse: `Unauthenticated` (401);
+- a MAC that does not match (forged, or the body changed): `Forbidden` (403);
+- a timestamp outside the window (default ±300 s, which allows for clock skew between hosts):
+  `Forbidden`;
+- a nonce already seen inside the window (a replay): `Forbidden`.
+Only a call that passes every check is recorded, so refused calls leave no state behind but
+the refusal counter. The nonce memory is bounded: when full, the oldest entries are dropped and
+the earliest timestamp still accepted moves up past them, so a replay is never let through
+for lack of memory (it is refused as stale instead).
+
+**Fields.** `mac_fields` is the one way anything else is signed (reservations): each part
+length-prefixed, so no two different field lists sign the same bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import hmac
+import secrets
+import struct
+import time
+from collections.abc import Callable
+
+from pdserve.errors import Forbidden, Unauthenticated
+
+AUTH_HEADER = "X-Pdserve-Auth"
+SCHEME = "pdserve-v1"
+DEFAULT_WINDOW_S = 300.0
+DEFAULT_MAX_NONCES = 200_000
+
+Part = str | bytes | int | float | None
+
+
+def mac_fields(key: bytes, *parts: Part) -> str:
+    """Hex HMAC-SHA256 over `parts`, each typed and length-prefixed (unambiguous)."""
+    mac = hmac.new(key, digestmod=hashlib.sha256)
+    for part in parts:
+        raw = _encode_part(part)
+        mac.update(struct.pack("<I", len(raw)))
+        mac.update(raw)
+    return mac.hexdigest()
+
+
+def _encode_part(part: Part) -> bytes:
+    if part is None:
+        return b"n"
+    if isinstance(part, bytes):
+        return b"b" + part
+    if isinstance(part, str):
+        return b"s" + part.encode()
+    if isinstance(part, bool):
+        raise TypeError("mac_fields: bool is ambiguous with int; pass an int")
+    if isinstance(part, int):
+        return b"i" + str(part).encode()
+    return b"f" + repr(float(part)).encode()
+
+
+def _call_mac(key: bytes, method: str, path: str, timestamp: str, nonce: str, body: bytes) -> str:
+    return mac_fields(key, method.upper(), path, timestamp, nonce, hashlib.sha256(body).digest())
+
+
+def sign_call(
+    key: bytes, method: str, path: str, body: bytes, now_s: float, nonce: str | None = None
+) -> str:
+    """The `X-Pdserve-Auth` header value for one call made at wall time `now_s`."""
+    nonce = nonce or secrets.token_hex(12)
+    timestamp = f"{now_s:.3f}"
+    return f"{SCHEME} {timestamp} {nonce} {_call_mac(key, method, path, timestamp, nonce, body)}"
+
+
+def auth_headers(key: bytes | None, method: str, path: str, body: bytes) -> dict[str, str]:
+    """Headers that sign one call now (none without a key: an insecure cluster)."""
+    if key is None:
+        return {}
+    return {AUTH_HEADER: sign_call(key, method, path, body, time.time())}
+
+
+class CallVerifier:
+    """Checks signed calls against one key; remembers nonces for the window."""
+
+    def __init__(
+        self,
+        key: bytes,
+        clock: Callable[[], float],
+        window_s: float = DEFAULT_WINDOW_S,
+        max_nonces: int = DEFAULT_MAX_NONCES,
+    ) -> None:
+        """`clock` is wall time in seconds (calls are compared across hosts)."""
+        if window_s <= 0 or max_nonces < 1:
+            raise ValueError(f"CallVerifier: window_s {window_s} and max_nonces {max_nonces}")
+        self._key = key
+        self._clock = clock
+        self._window_s = window_s
+        self._max_nonces = max_nonces
+        self._seen: set[str] = set()
+        self._expiry: list[tuple[float, str]] = []  # heap of (expiry, nonce)
+        # Timestamps at or below this are refused: their nonces may have been forgotten.
+        self._floor = float("-inf")
+        self.num_refused = 0
+
+    def verify(self, header: str | None, method: str, path: str, body: bytes) -> None:
+        """Return if the call is authentic and fresh; raise Unauthenticated or Forbidden."""
+        try:
+            self._verify(header, method, path, body)
+        except (Unauthenticated, Forbidden):
+            self.num_refused += 1
+            raise
+
+    def _verify(self, header: str | None, method: str, path: str, body: bytes) -> None:
+        where = f"{method.upper()} {path}"
+        if not header:
+            raise Unauthenticated(f"{where}: no {AUTH_HEADER} header (cluster credential needed)")
+        parts = header.split(" ")
+        if len(parts) != 4 or parts[0] != SCHEME:
+            raise Unauthenticated(f"{where}: {AUTH_HEADER} is not '{SCHEME} <ts> <nonce> <mac>'")
+        _, timestamp, nonce, given = parts
+        try:
+            sent_at = float(timestamp)
+        except ValueError:
+            raise Unauthenticated(f"{where}: {AUTH_HEADER} timestamp {timestamp!r}") from None
+        if not 8 <= len(nonce) <= 64:
+            raise Unauthenticated(f"{where}: {AUTH_HEADER} nonce must be 8..64 characters")
+        want = _call_mac(self._key, method, path, timestamp, nonce, body)
+        if not hmac.compare_digest(want, given):
+            raise Forbidden(f"{where}: signature does not match (wrong secret or altered call)")
+        now = self._clock()
+        self._forget(now)
+        if abs(now - sent_at) > self._window_s or sent_at <= self._floor:
+            raise Forbidden(
+                f"{where}: signed at {sent_at:.3f}, {now - sent_at:+.1f} s from now: outside the"
+                f" {self._window_s:.0f} s window (clock skew, or a replay)"
+            )
+        if nonce in self._seen:
+            raise Forbidden(f"{where}: nonce {nonce} was already used (a replayed call)")
+        self._seen.add(nonce)
+        heapq.heappush(self._expiry, (sent_at + self._window_s, nonce))
+        while len(self._seen) > self._max_nonces:
+            expiry, old = heapq.heappop(self._expiry)
+            self._seen.discard(old)
+            self._floor = max(self._floor, expiry - self._window_s)
+
+    def _forget(self, now: float) -> None:
+        # A nonce whose timestamp left the window can no longer be replayed: the window refuses.
+        while self._expiry and self._expiry[0][0] < now:
+            self._seen.discard(heapq.heappop(self._expiry)[1])
+
+    @property
+    def num_remembered(self) -> int:
+        """Nonces held (bounded by max_nonces)."""
+        return len(self._seen)
