@@ -87,6 +87,4 @@ def signed_model(
     reservation: Reservation, decode_url: str | None = None, ttl_s: float = 300.0
 ) -> SignedReservation:
     """`signed_reservation` as a protocol model."""
-    return sign_reservation(
-        SECRET.key("reservation"), reservation, decode_url, time.time() + ttl_s
-    )
+    return sign_reservation(SECRET.key("reservation"), reservation, decode_url, time.time() + ttl_s)
