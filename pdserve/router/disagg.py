@@ -3,6 +3,7 @@
     ROUTED(P, D)   policy picks a decode worker D and a prefill worker P with D's digest
     RESERVED       POST D/reserve; refused → RETRYING(reserve_refused) → the next D; all
                    refused for room → the capacity queue (FIFO, woken by releases), then 503
+                   (all of this is `reservations.py`)
     PREFILLING     POST P/prefill with the reservation signed by this router (P sends KV only
                    to a reservation it can verify); D's lease is renewed while P works
     PREFILLED      the first token goes to the client at once
@@ -40,14 +41,13 @@ migration path takes over). A finished request tells the policy what D and P now
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Sequence
+from collections.abc import AsyncGenerator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.errors import NoCapacity, RouterError, WorkerCallError, WorkerUnreachable
-from pdserve.faults import FaultClosed, FaultInjector, FaultSite, perform
+from pdserve.faults import FaultInjector, FaultSite
 from pdserve.router.affinity import AffinityPolicy, RouteQuery
 from pdserve.router.capacity_queue import CapacityQueue
 from pdserve.router.config import AffinityConfig, RecoveryConfig
@@ -55,7 +55,7 @@ from pdserve.router.flow import FlowRequest, TokenChunk
 from pdserve.router.policy import WorkerView, pick_prefill, rank_decode
 from pdserve.router.pool import WorkerPool
 from pdserve.router.recovery import STEP_REASON, Budget, Failure, Step, next_step
-from pdserve.router.state import Reason
+from pdserve.router.reservations import Leg, Reserver, router_fault
 from pdserve.router.state import RequestState as S
 from pdserve.router.worker_client import WorkerClient
 from pdserve.worker.protocol import (
@@ -64,9 +64,6 @@ from pdserve.worker.protocol import (
     GenerateRequest,
     PrefillRequest,
     PrefillResult,
-    RenewRequest,
-    Reservation,
-    ReserveRequest,
     TokenEvent,
 )
 from pdserve.worker.reservation_auth import sign_reservation
@@ -75,16 +72,6 @@ from pdserve.worker.reservation_auth import sign_reservation
 KVOutcome = Callable[[bool, str], None]
 # Worker error types that no other worker or step can fix.
 _FINAL_ERRORS = frozenset({"DeadlineExceeded"})
-
-
-@dataclass(frozen=True, slots=True)
-class _Leg:
-    """A reserved decode slot and the prefill worker chosen for it."""
-
-    decode_url: str
-    prefill_url: str
-    worker_request_id: str
-    reservation: Reservation
 
 
 @dataclass(slots=True)
@@ -97,7 +84,7 @@ class _Run:
     # Every token the client has been sent, in order: the resume point of any recovery.
     sent: list[int] = field(default_factory=list)
     # The leg whose holds must be released if the request ends now.
-    leg: _Leg | None = None
+    leg: Leg | None = None
     # Where it ran, for the affinity policy once it finished.
     decode_url: str | None = None
     prefill_url: str | None = None
@@ -155,6 +142,15 @@ class DisaggFlow:
         # Signs the reservations handed to prefill workers (None: an insecure cluster).
         self._reservation_key = reservation_key
         self.queue = queue or CapacityQueue(self._recovery.max_queued)
+        self._reserver = Reserver(
+            pool,
+            client,
+            self._affinity,
+            self.queue,
+            lease_ttl_s=lease_ttl_s,
+            queue_timeout_s=self._recovery.queue_timeout_s,
+            faults=faults,
+        )
 
     @property
     def num_queued(self) -> int:
@@ -213,7 +209,7 @@ class DisaggFlow:
             if run.leg is not None:
                 # Closed early or failed: D still holds the reservation (or the sequence), P
                 # may hold KV awaiting transfer.
-                await self._release(run.leg)
+                await self._reserver.release(run.leg)
             if timeline.state is S.FINISHED and run.decode_url is not None:
                 self._affinity.record(
                     self._pool.snapshot(),
@@ -236,7 +232,7 @@ class DisaggFlow:
         n = sum(1 for t in timeline.history if t.state is S.PREFILLING)
         rid = request.request_id if n == 0 else f"{request.request_id}.r{n}"
         try:
-            leg = await self._route_and_reserve(run, rid)
+            leg = await self._reserver.reserve(request, run.query, rid, run.failed_prefill)
         except NoCapacity as exc:
             if _only_prefill_missing(self._pool.snapshot(), run.failed_prefill):
                 raise _StepFailed(Failure.NO_PREFILL_WORKER, exc) from exc
@@ -259,7 +255,7 @@ class DisaggFlow:
             async for chunk in chunks:
                 yield chunk
 
-    async def _prefill(self, run: _Run, leg: _Leg) -> PrefillResult:
+    async def _prefill(self, run: _Run, leg: Leg) -> PrefillResult:
         request = run.request
         timeline = request.timeline
         try:
@@ -281,13 +277,13 @@ class DisaggFlow:
                 deadline_s=remaining,
             )
             with self._pool.inflight(leg.prefill_url):
-                async with self._renewing(leg):
+                async with self._reserver.renewing(leg):
                     result = await self._client.prefill(leg.prefill_url, prefill, remaining)
-            await self._fault(FaultSite.ROUTER_AFTER_PREFILL, leg.prefill_url)
+            await router_fault(self._faults, FaultSite.ROUTER_AFTER_PREFILL, leg.prefill_url)
             return result
         except RouterError as exc:
             run.leg = None
-            await self._release(leg)
+            await self._reserver.release(leg)
             if not _recoverable(exc):
                 raise
             if isinstance(exc, WorkerUnreachable):
@@ -295,7 +291,7 @@ class DisaggFlow:
             run.failed_prefill.add(leg.prefill_url)
             raise _StepFailed(Failure.PREFILL_FAILED, exc, leg.decode_url) from exc
 
-    async def _decode(self, run: _Run, leg: _Leg) -> AsyncGenerator[TokenChunk, None]:
+    async def _decode(self, run: _Run, leg: Leg) -> AsyncGenerator[TokenChunk, None]:
         """D's stream after the first token; `_StepFailed` (handoff_failed before the commit,
         decode_died after it) when D fails."""
         request = run.request
@@ -335,7 +331,7 @@ class DisaggFlow:
             run.leg = None
             if isinstance(exc, WorkerUnreachable):
                 self._pool.mark_failed(leg.decode_url, str(exc))
-            await self._release(leg)
+            await self._reserver.release(leg)
             if not committed:
                 # Any failure before the commit (D dead, KV never verified or failed its value
                 # check, reservation gone) is the handoff's.
@@ -420,40 +416,6 @@ class DisaggFlow:
 
     # ---- reservations ----------------------------------------------------------------------
 
-    @contextlib.asynccontextmanager
-    async def _renewing(self, leg: _Leg) -> AsyncIterator[None]:
-        """Keep D's reservation alive while P prefills: a prefill queued past the lease TTL
-        must not lose its slot. Only this router renews, so if it dies the lease still ends
-        and frees the blocks (invariant 1). Once the KV flows, its bytes renew the lease."""
-        task = asyncio.create_task(self._renew_forever(leg), name=f"renew {leg.worker_request_id}")
-        try:
-            yield
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    async def _renew_forever(self, leg: _Leg) -> None:
-        # A third of the TTL: two renewals may be lost before the lease lapses.
-        while True:
-            await asyncio.sleep(self._lease_ttl_s / 3)
-            try:
-                await self._client.renew(
-                    leg.decode_url, RenewRequest(request_id=leg.worker_request_id)
-                )
-            except RouterError:
-                # Gone or unreachable: /decode reports it with the reason; nothing to renew.
-                return
-
-    async def _fault(self, site: FaultSite, url: str) -> None:
-        """A router fault site; an injected close reads as the connection to `url` failing."""
-        if self._faults is None or (rule := self._faults.fire(site)) is None:
-            return
-        try:
-            await perform(rule)
-        except FaultClosed as exc:
-            raise WorkerUnreachable(url, str(exc)) from exc
-
     def _local_prefill_worker(self, query: RouteQuery) -> str | None:
         """The best decode worker if it should prefill the uncached suffix itself."""
         views = self._pool.snapshot()
@@ -462,10 +424,6 @@ class DisaggFlow:
                 return decode.url
         return None
 
-    async def _release(self, leg: _Leg) -> None:
-        await self._client.release_quietly(leg.decode_url, leg.worker_request_id)
-        await self._client.release_quietly(leg.prefill_url, leg.worker_request_id)
-
     def _first_token_finishes(self, request: FlowRequest, token_id: int) -> str | None:
         sampling = request.sampling
         if token_id in sampling.stop_token_ids or (
@@ -473,89 +431,6 @@ class DisaggFlow:
         ):
             return "stop"
         return "length" if sampling.max_tokens <= 1 else None
-
-    def _pick_pair(
-        self, query: RouteQuery, tried: Collection[str], skip_prefill: Collection[str]
-    ) -> tuple[WorkerView, WorkerView] | None:
-        """The best decode worker (not yet tried) that has a prefill partner, and that one."""
-        views = self._pool.snapshot()
-        for decode in self._affinity.rank_decode(views, query, exclude=tried):
-            prefill = self._affinity.pick_prefill(views, decode, query, exclude=skip_prefill)
-            if prefill is not None:
-                return decode, prefill
-        return None
-
-    async def _reserve_round(self, run: _Run, rid: str) -> tuple[_Leg | None, bool, set[str]]:
-        """Try every decode worker once: (the leg, or None; whether any refused for room;
-        the workers tried)."""
-        request = run.request
-        timeline = request.timeline
-        tried: set[str] = set()
-        refused_for_capacity = False
-        while (pair := self._pick_pair(run.query, tried, run.failed_prefill)) is not None:
-            decode, prefill = pair
-            timeline.advance(S.ROUTED, f"decode={decode.url} prefill={prefill.url}")
-            try:
-                await self._fault(FaultSite.ROUTER_BEFORE_RESERVE, decode.url)
-                # Counted on both workers from now: a burst arriving together sees each
-                # other's choices, not the same last poll.
-                with self._pool.inflight(decode.url), self._pool.inflight(prefill.url):
-                    reservation = await self._client.reserve(
-                        decode.url,
-                        ReserveRequest(
-                            request_id=rid,
-                            prompt_token_ids=request.prompt_token_ids,
-                            sampling=request.sampling,
-                            lease_ttl_s=self._lease_ttl_s,
-                        ),
-                        request.remaining_s(),
-                    )
-            except RouterError as exc:
-                if not _recoverable(exc):
-                    raise
-                if isinstance(exc, WorkerUnreachable):
-                    self._pool.mark_failed(decode.url, str(exc))
-                else:
-                    refused_for_capacity = True
-                tried.add(decode.url)
-                timeline.retry(Reason.RESERVE_REFUSED, str(exc))
-                continue
-            timeline.advance(S.RESERVED, reservation.transfer_id)
-            return _Leg(decode.url, prefill.url, rid, reservation), refused_for_capacity, tried
-        return None, refused_for_capacity, tried
-
-    async def _route_and_reserve(self, run: _Run, rid: str) -> _Leg:
-        """Reserve on the best decode worker that has a prefill partner; next one on refusal.
-
-        When every decode worker refused for room, the request waits in the capacity queue
-        (at most `queue_timeout_s`, with at most `max_queued` waiting) and tries again when
-        woken; never prefills first.
-        """
-        leg, refused_for_capacity, tried = await self._reserve_round(run, rid)
-        if leg is not None:
-            return leg
-        detail = (
-            f"no decode worker with a compatible prefill worker accepted {rid}"
-            f" (tried {sorted(tried)})"
-        )
-        timeout_s = self._recovery.queue_timeout_s
-        if not refused_for_capacity or timeout_s <= 0:
-            raise NoCapacity(detail)
-        loop = asyncio.get_running_loop()
-        deadline = min(loop.time() + timeout_s, run.request.deadline)
-        async with self.queue.join(detail) as waiter:
-            while True:
-                try:
-                    await waiter.next_chance(deadline)
-                except TimeoutError:
-                    raise NoCapacity(f"{detail}; waited {timeout_s} s in the queue") from None
-                leg, refused_for_capacity, tried = await self._reserve_round(run, rid)
-                if leg is not None:
-                    break
-                if not refused_for_capacity:
-                    raise NoCapacity(f"{detail}; no decode worker is reachable")
-        self.queue.notify()  # there was room: the next in line may find some too
-        return leg
 
 
 def _only_prefill_missing(views: Sequence[WorkerView], skip_prefill: Collection[str]) -> bool:

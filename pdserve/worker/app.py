@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -47,32 +46,23 @@ from pdserve.errors import (
     RequestNotFound,
     WrongRole,
 )
-from pdserve.faults import FaultClosed, FaultInjector, FaultSite, parse_rules, perform
+from pdserve.faults import FaultClosed, FaultInjector, FaultSite, perform
 from pdserve.observability.timeline_log import EventRing
 from pdserve.worker import kv_canary
 from pdserve.worker.auth_middleware import auth_middleware
 from pdserve.worker.config import WorkerConfig
-from pdserve.worker.engine_loop import DeltaQueue, EngineInfo, EngineLoop
+from pdserve.worker.engine_loop import EngineInfo, EngineLoop
 from pdserve.worker.http_errors import Handler, error_middleware
 from pdserve.worker.kv_inbox import KVInbox, Received
 from pdserve.worker.kv_outbox import KVOutbox, parse_destination
 from pdserve.worker.lease_keeper import LeaseKeeper
-from pdserve.worker.metrics import (
-    FailClosedCounters,
-    WorkerCounters,
-    render,
-    render_fail_closed,
-)
+from pdserve.worker.observe_routes import ObserveRoutes
 from pdserve.worker.protocol import (
     DecodeRequest,
-    FaultPlanBody,
-    FaultState,
     GenerateRequest,
     HandoffInfo,
-    InjectedFaultModel,
     KVAbortRequest,
     KVAbortResult,
-    KVEndpoint,
     PrefillRequest,
     PrefillResult,
     ReleaseRequest,
@@ -81,12 +71,9 @@ from pdserve.worker.protocol import (
     RenewResult,
     ReserveRequest,
     TokenEvent,
-    WorkerEventModel,
-    WorkerEvents,
-    WorkerHealth,
+    Transport,
 )
-from pdserve.worker.reuse_metrics import render_reuse
-from pdserve.worker.transport_stats import TransportStats
+from pdserve.worker.token_stream import TokenStreamer
 
 M = TypeVar("M", bound=BaseModel)
 NDJSON = "application/x-ndjson"
@@ -138,7 +125,7 @@ class WorkerAPI:
         faults: FaultInjector | None = None,
         events: EventRing | None = None,
         verifier: CallVerifier | None = None,
-        local_transports: tuple[str, ...] = ("tcp",),
+        local_transports: tuple[Transport, ...] = ("tcp",),
     ) -> None:
         self.config = config
         self.worker_id = config.worker_id
@@ -157,6 +144,8 @@ class WorkerAPI:
         self.local_transports = local_transports
         self.canary_counts: Counter[str] = Counter()
         self.num_admission_refusals = 0
+        self.streams = TokenStreamer(engine, self.events, faults)
+        self.observe = ObserveRoutes(self)
 
     def app(self) -> web.Application:
         """The application with every route of the protocol (+ /admin/faults if enabled)."""
@@ -164,9 +153,10 @@ class WorkerAPI:
         if self.faults is not None:
             middlewares.append(_close_on_fault)  # inner: runs before errors are rendered
         app = web.Application(middlewares=middlewares)
+        observe = self.observe
         app.add_routes(
             [
-                web.get("/health", self.health),
+                web.get("/health", observe.health),
                 web.post("/reserve", self.reserve),
                 web.post("/prefill", self.prefill),
                 web.post("/decode", self.decode),
@@ -174,16 +164,16 @@ class WorkerAPI:
                 web.post("/release", self.release),
                 web.post("/kv_abort", self.kv_abort),
                 web.post("/renew", self.renew),
-                web.get("/metrics", self.metrics),
-                web.get("/debug/requests/{request_id}", self.debug_request),
+                web.get("/metrics", observe.metrics),
+                web.get("/debug/requests/{request_id}", observe.debug_request),
             ]
         )
         if self.config.enable_fault_admin:
             app.add_routes(
                 [
-                    web.get("/admin/faults", self.get_faults),
-                    web.post("/admin/faults", self.set_faults),
-                    web.delete("/admin/faults", self.clear_faults),
+                    web.get("/admin/faults", observe.get_faults),
+                    web.post("/admin/faults", observe.set_faults),
+                    web.delete("/admin/faults", observe.clear_faults),
                 ]
             )
         return app
@@ -204,96 +194,7 @@ class WorkerAPI:
             )
         return self.outbox
 
-    async def _stream(
-        self, queue: DeltaQueue, response: web.StreamResponse, request_id: str = ""
-    ) -> None:
-        first = True
-        while True:
-            delta = await queue.get()
-            if first and delta.new_token_ids:
-                first = False
-                self.events.record(request_id, "first_token")
-            if delta.finished:
-                self.events.record(request_id, "finished", delta.finish_reason or "")
-            token_ids = list(delta.new_token_ids)
-            if self.faults is not None:
-                token_ids = await self._token_faults(token_ids, response)
-            error = "the engine failed this request" if delta.finish_reason == "error" else None
-            event = TokenEvent(
-                token_ids=token_ids,
-                finished=delta.finished,
-                finish_reason=delta.finish_reason,
-                error=error,
-            )
-            await response.write(event.model_dump_json().encode() + b"\n")
-            if delta.finished:
-                return
-
-    async def _token_faults(self, token_ids: list[int], response: web.StreamResponse) -> list[int]:
-        """The `worker.decode_tokens` site, one hit per token, fired before the token is
-        written: tokens ahead of a firing go out first. Returns the tokens still to write."""
-        assert self.faults is not None
-        written = 0
-        for i in range(len(token_ids)):
-            rule = self.faults.fire(FaultSite.WORKER_DECODE_TOKENS)
-            if rule is None:
-                continue
-            if i > written:
-                event = TokenEvent(token_ids=token_ids[written:i])
-                await response.write(event.model_dump_json().encode() + b"\n")
-                written = i
-            await perform(rule)
-        return token_ids[written:]
-
-    async def _open_stream(self, request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": NDJSON})
-        await response.prepare(request)
-        return response
-
     # ---- endpoints -------------------------------------------------------------------------
-
-    async def health(self, request: web.Request) -> web.Response:
-        """GET /health -> WorkerHealth."""
-        arrived_ns = time.monotonic_ns()
-        stats = await self.engine.stats()
-        info = self.info
-        body = WorkerHealth(
-            worker_id=self.worker_id,
-            role=self.config.role,  # type: ignore[arg-type]  # validated by WorkerConfig
-            pid=os.getpid(),
-            fingerprint=info.fingerprint,
-            fingerprint_digest=info.fingerprint_digest,
-            transfer_address=self.inbox.address if self.inbox is not None else None,
-            max_model_len=info.max_model_len,
-            block_size=info.block_size,
-            num_blocks=stats.num_blocks,
-            num_free_blocks=stats.num_free_blocks,
-            num_pinned_blocks=stats.num_held_blocks,
-            num_running=stats.num_running,
-            num_waiting=stats.num_waiting,
-            num_active_leases=self.leases.num_active,
-            kv_endpoints=self._kv_endpoints(),
-            problems=self.transport_stats.problems(),
-            request_monotonic_ns=arrived_ns,
-            monotonic_ns=time.monotonic_ns(),
-            wall_time_s=time.time(),
-        )
-        return _json(body)
-
-    def _kv_endpoints(self) -> list[KVEndpoint]:
-        if self.inbox is not None:
-            return self.inbox.endpoints
-        # A prefill-only worker listens on nothing: it lists what it can send over.
-        return [KVEndpoint(transport=t, address="") for t in self.local_transports]  # type: ignore[arg-type]
-
-    @property
-    def transport_stats(self) -> TransportStats:
-        """The KV traffic figures this worker keeps (shared by its inbox and outbox)."""
-        if self.outbox is not None:
-            return self.outbox.stats
-        if self.inbox is not None:
-            return self.inbox.stats
-        return TransportStats()
 
     async def reserve(self, request: web.Request) -> web.Response:
         """POST /reserve ReserveRequest -> Reservation."""
@@ -325,7 +226,7 @@ class WorkerAPI:
                 body.reservation,
                 key=self.config.reservation_key,
                 now_s=time.time(),
-                local=self.local_transports,  # type: ignore[arg-type]  # Transport names
+                local=self.local_transports,
                 explicit=self.config.kv_transport != "auto",
             )
         self._admit(rid)
@@ -384,19 +285,6 @@ class WorkerAPI:
             )
         )
 
-    async def _write_event(self, response: web.StreamResponse, event: TokenEvent) -> None:
-        await response.write(event.model_dump_json().encode() + b"\n")
-
-    async def _error_event(self, response: web.StreamResponse, exc: PdserveError) -> None:
-        event = TokenEvent(
-            token_ids=[],
-            finished=True,
-            finish_reason="error",
-            error=f"{type(exc).__name__}: {exc}",
-            error_type=type(exc).__name__,
-        )
-        await self._write_event(response, event)
-
     async def _check_received(self, rid: str, received: Received) -> HandoffInfo:
         """The value check of received KV (the canary), and how it came."""
         canary = "none"
@@ -421,7 +309,7 @@ class WorkerAPI:
         rid = body.request_id
         if not inbox.has(rid):
             raise RequestNotFound(f"no reservation for request {rid} (never made, expired or done)")
-        response = await self._open_stream(request)
+        response = await self.streams.open(request)
         done = False
         kv_timeout_s = min(body.kv_timeout_s, body.deadline_s or body.kv_timeout_s)
         try:
@@ -435,11 +323,11 @@ class WorkerAPI:
                 # before anything is freed; after a hand-over it is a no-op and abort frees.
                 await inbox.cancel(rid, f"{type(exc).__name__}: {exc}")
                 await self.engine.abort(rid)
-                await self._error_event(response, exc)
+                await self.streams.error(response, exc)
                 done = True
                 return response
-            await self._write_event(response, TokenEvent(token_ids=[], handoff=handoff))
-            await self._stream_until(queue, response, rid, body.deadline_s)
+            await self.streams.write(response, TokenEvent(token_ids=[], handoff=handoff))
+            await self.streams.stream(queue, response, rid, body.deadline_s)
             done = True
         finally:
             if not done:  # the client went away: nobody will read the rest
@@ -447,24 +335,6 @@ class WorkerAPI:
                 await self.engine.abort(rid)
         await response.write_eof()
         return response
-
-    async def _stream_until(
-        self,
-        queue: DeltaQueue,
-        response: web.StreamResponse,
-        request_id: str,
-        deadline_s: float | None,
-    ) -> None:
-        """Stream the request's tokens; at its deadline, abort it and end with an error line."""
-        try:
-            async with asyncio.timeout(deadline_s):
-                await self._stream(queue, response, request_id)
-        except TimeoutError:
-            await self.engine.abort(request_id)
-            await self._error_event(
-                response,
-                DeadlineExceeded(f"request {request_id}: past its {deadline_s} s deadline"),
-            )
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         """POST /generate GenerateRequest -> NDJSON TokenEvents (colocated, resume, recompute).
@@ -488,8 +358,8 @@ class WorkerAPI:
         )
         done = False
         try:
-            response = await self._open_stream(request)
-            await self._stream_until(queue, response, body.request_id, body.deadline_s)
+            response = await self.streams.open(request)
+            await self.streams.stream(queue, response, body.request_id, body.deadline_s)
             done = True
         finally:
             if not done:
@@ -523,89 +393,3 @@ class WorkerAPI:
             num_freed += await self.inbox.cancel(rid, "released")
         num_freed += await self.engine.abort(rid)
         return _json(ReleaseResult(request_id=rid, num_freed_blocks=num_freed))
-
-    async def metrics(self, request: web.Request) -> web.Response:
-        """GET /metrics: Prometheus text."""
-        stats = await self.engine.stats()
-        receiver = self.inbox.receiver if self.inbox is not None else None
-        counters = WorkerCounters(
-            transfers_sent=self.outbox.num_sent if self.outbox else 0,
-            transfers_send_failed=self.outbox.num_failed if self.outbox else 0,
-            transfers_received=receiver.num_verified if receiver else 0,
-            transfer_attempts_refused=receiver.num_failed_attempts if receiver else 0,
-            reservations_cancelled=self.inbox.num_cancelled if self.inbox else 0,
-            lease_expiries=self.leases.num_expired_total,
-            kv_send_retries=self.outbox.num_send_retries if self.outbox else 0,
-            refusals_by_reason=dict(receiver.failed_attempts_by_reason) if receiver else {},
-            lease_expiries_by_kind=dict(self.leases.expired_by_kind),
-            num_reserved_blocks=self.inbox.num_reserved_blocks if self.inbox else 0,
-        )
-        sends = self.outbox.sends if self.outbox else None
-        text = render(self.worker_id, stats, self.leases.num_active, counters, sends)
-        text += render_reuse(self.worker_id, stats)
-        text += render_fail_closed(
-            self.worker_id,
-            FailClosedCounters(
-                canary=dict(self.canary_counts),
-                fenced_writers=receiver.num_fenced_writers if receiver else 0,
-                auth_refusals=self.verifier.num_refused if self.verifier else 0,
-                admission_refusals=self.num_admission_refusals,
-            ),
-        )
-        text += "\n".join(self.transport_stats.render(self.worker_id)) + "\n"
-        return web.Response(text=text, content_type="text/plain", charset="utf-8")
-
-    async def debug_request(self, request: web.Request) -> web.Response:
-        """GET /debug/requests/{id} -> WorkerEvents (suffixed ids `.rN`, `.mN` included)."""
-        arrived_ns = time.monotonic_ns()
-        events = self.events.events_for(request.match_info["request_id"])
-        return _json(
-            WorkerEvents(
-                worker_id=self.worker_id,
-                role=self.config.role,  # type: ignore[arg-type]  # validated by WorkerConfig
-                request_monotonic_ns=arrived_ns,
-                monotonic_ns=time.monotonic_ns(),
-                wall_time_s=time.time(),
-                events=[
-                    WorkerEventModel(
-                        request_id=e.request_id,
-                        event=e.event,
-                        monotonic_ns=e.monotonic_ns,
-                        wall_time_s=e.wall_time_s,
-                        detail=e.detail,
-                    )
-                    for e in events
-                ],
-            )
-        )
-
-    # ---- fault admin (only with enable_fault_admin) ---------------------------------------
-
-    def _fault_state(self) -> FaultState:
-        assert self.faults is not None  # built whenever the admin routes exist
-        return FaultState(
-            rules=[rule.spec() for rule in self.faults.rules],
-            seed=self.faults.seed,
-            injected=[
-                InjectedFaultModel(site=i.site.value, hit=i.hit, action=i.action.value)
-                for i in self.faults.injected
-            ],
-            hits={site.value: n for site, n in self.faults.hits.items()},
-        )
-
-    async def get_faults(self, request: web.Request) -> web.Response:
-        """GET /admin/faults -> FaultState."""
-        return _json(self._fault_state())
-
-    async def set_faults(self, request: web.Request) -> web.Response:
-        """POST /admin/faults FaultPlanBody -> FaultState; a bad rule is 400, naming it."""
-        assert self.faults is not None
-        body = await _parse(request, FaultPlanBody)
-        self.faults.reset(parse_rules(body.rules), body.seed)
-        return _json(self._fault_state())
-
-    async def clear_faults(self, request: web.Request) -> web.Response:
-        """DELETE /admin/faults -> FaultState of the empty plan."""
-        assert self.faults is not None
-        self.faults.reset()
-        return _json(self._fault_state())
