@@ -99,7 +99,7 @@ class CallVerifier:
         self._window_s = window_s
         self._max_nonces = max_nonces
         self._seen: set[str] = set()
-        self._expiry: list[tuple[float, str]] = []  # heap of (expiry, nonce)
+        self._sent: list[tuple[float, str]] = []  # heap of (sent at, nonce)
         # Timestamps at or below this are refused: their nonces may have been forgotten.
         self._floor = float("-inf")
         self.num_refused = 0
@@ -139,16 +139,16 @@ class CallVerifier:
         if nonce in self._seen:
             raise Forbidden(f"{where}: nonce {nonce} was already used (a replayed call)")
         self._seen.add(nonce)
-        heapq.heappush(self._expiry, (sent_at + self._window_s, nonce))
+        heapq.heappush(self._sent, (sent_at, nonce))
         while len(self._seen) > self._max_nonces:
-            expiry, old = heapq.heappop(self._expiry)
+            oldest, old = heapq.heappop(self._sent)
             self._seen.discard(old)
-            self._floor = max(self._floor, expiry - self._window_s)
+            self._floor = max(self._floor, oldest)
 
     def _forget(self, now: float) -> None:
         # A nonce whose timestamp left the window can no longer be replayed: the window refuses.
-        while self._expiry and self._expiry[0][0] < now:
-            self._seen.discard(heapq.heappop(self._expiry)[1])
+        while self._sent and self._sent[0][0] + self._window_s < now:
+            self._seen.discard(heapq.heappop(self._sent)[1])
 
     @property
     def num_remembered(self) -> int:

@@ -22,9 +22,10 @@ and, on reconnecting, an unknown transfer or an old epoch: its bytes never reach
 now belong to another request. Every transport lands bytes through this task (TCP recv_into,
 or a copy out of the receiver's own shm/NIXL inbox), so cancelling it stops every write.
 
-**Liveness.** Each landed piece of a chunk calls `on_progress` (the owner renews the
-reservation's lease there): a transfer that keeps moving bytes keeps its reservation however
-long it takes; a silent one lets the lease lapse. A connection must send a valid Hello within
+**Liveness.** Each chunk header and each landed piece of its data (at most `PROGRESS_BYTES`)
+calls `on_progress` (the owner renews the reservation's lease there): a transfer that keeps
+moving bytes (at least a piece per lease TTL) keeps its reservation however long it takes; a
+silent one lets the lease lapse. A connection must send a valid Hello within
 `handshake_timeout_s`, then each frame header, body and data within `frame_timeout_s` (the
 cap on connections belongs to the server, `serve_tcp(max_connections=...)`).
 
@@ -292,6 +293,8 @@ class KVReceiver:
     ) -> list[Outbound]:
         layout = incoming.plan.layout
         views = payload_views(incoming.blocks, layout.block_bytes, chunk.offset, chunk.num_bytes)
+        if incoming.on_progress is not None:
+            incoming.on_progress()  # a chunk header arrived: the sender is alive
         # Hashed piece by piece as it lands, while the bytes are still in cache: the same
         # digest as one pass over the whole chunk afterwards, without that second pass.
         hasher = xxhash.xxh3_64()

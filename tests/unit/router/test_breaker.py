@@ -81,3 +81,19 @@ def test_invariants_under_any_outcome_sequence(events: list[tuple[bool, float]])
             assert outcomes >= CFG.min_samples
         if b.state is BreakerState.CLOSED:
             assert b.failure_rate < CFG.failure_rate or len(b._window) < CFG.min_samples
+
+
+def test_every_transition_is_told_however_many() -> None:
+    # The history is bounded; the log of transitions must not be (it stopped at 100 before).
+    clock = FakeClock()
+    seen: list[str] = []
+    config = BreakerConfig(window=2, min_samples=1, failure_rate=0.5, cooldown_s=1.0)
+    breaker = CircuitBreaker(
+        config, clock, max_history=5, on_transition=lambda t: seen.append(t.target.value)
+    )
+    for _ in range(150):
+        breaker.record(False, "x")  # closed -> open
+        clock.advance(1.5)
+        assert breaker.admit()  # open -> half_open
+        breaker.record(True)  # half_open -> closed
+    assert len(seen) == 450 and len(breaker.transitions) == 5
