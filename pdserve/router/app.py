@@ -17,6 +17,7 @@ import hmac
 import logging
 import os
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
@@ -263,28 +264,50 @@ def _middleware(config: RouterConfig, dispatcher: Dispatcher, metrics: RouterMet
                 return _error(401, "missing or wrong API key", "authentication_error")
         try:
             return await handler(request)
-        except InvalidRequest as exc:
-            metrics.count_request(dispatcher.mode, "client_error")
-            return _error(400, exc.message, "invalid_request_error", param=exc.param, code=exc.code)
-        except NoCapacity as exc:
-            return _error(503, str(exc), "server_error", retry_after=str(exc.retry_after_s))
-        except WorkerCallError as exc:
-            if exc.status == 400:
-                return _error(400, exc.body.error, "invalid_request_error", code=exc.body.type)
-            if exc.status == 503:
-                return _error(503, str(exc), "server_error", retry_after="1")
-            return _error(502, str(exc), "server_error")
-        except WorkerUnreachable as exc:
-            return _error(502, str(exc), "server_error")
-        except TimeoutError:
-            return _error(504, f"request timed out after {config.request_timeout_s} s", "timeout")
         except (web.HTTPException, ConnectionResetError):
             raise
-        except Exception:
-            log.exception("unhandled error on %s %s", request.method, request.path)
-            return _error(500, "internal router error (see the router log)", "server_error")
+        except Exception as exc:
+            reply = error_reply(exc, config.request_timeout_s)
+            if reply.status == 500:
+                log.exception("unhandled error on %s %s", request.method, request.path)
+            if isinstance(exc, InvalidRequest):
+                metrics.count_request(dispatcher.mode, "client_error")
+            return _error(reply.status, reply.message, reply.type, **reply.extra)
 
     return middleware
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorReply:
+    """What a client is answered for an error: status, OpenAI error type and message."""
+
+    status: int
+    message: str
+    type: str
+    extra: dict[str, str | None]
+
+
+def error_reply(exc: BaseException, request_timeout_s: float) -> ErrorReply:
+    """The client's answer for `exc` (pure). A worker's fault is never a 500: 502 (it failed
+    or vanished), 503 + Retry-After (no room), 504 (out of time); 500 is a router bug only."""
+    if isinstance(exc, InvalidRequest):
+        extra: dict[str, str | None] = {"param": exc.param, "code": exc.code}
+        return ErrorReply(400, exc.message, "invalid_request_error", extra)
+    if isinstance(exc, NoCapacity):
+        return ErrorReply(503, str(exc), "server_error", {"retry_after": str(exc.retry_after_s)})
+    if isinstance(exc, WorkerCallError):
+        if exc.status == 400:
+            return ErrorReply(400, exc.body.error, "invalid_request_error", {"code": exc.body.type})
+        if exc.status == 503:
+            return ErrorReply(503, str(exc), "server_error", {"retry_after": "1"})
+        if exc.body.type == "DeadlineExceeded":
+            return ErrorReply(504, str(exc), "timeout", {})
+        return ErrorReply(502, str(exc), "server_error", {})
+    if isinstance(exc, WorkerUnreachable):
+        return ErrorReply(502, str(exc), "server_error", {})
+    if isinstance(exc, TimeoutError):
+        return ErrorReply(504, f"request timed out after {request_timeout_s} s", "timeout", {})
+    return ErrorReply(500, "internal router error (see the router log)", "server_error", {})
 
 
 async def create_app(config: RouterConfig) -> web.Application:
