@@ -118,8 +118,9 @@ class FaultRule:
     probability: float = 1.0
     # delay: seconds to sleep before going on.
     delay_s: float = DEFAULT_DELAY_S
-    # corrupt: the byte to flip (bit `offset % 8`); truncate: the prefix length kept.
-    # None: drawn from the seed for each hit.
+    # corrupt: the byte to flip (bit `offset % 8`); truncate: the prefix length kept; delay
+    # at transfer.send: the bytes sent before the pause (a pause mid-frame). None: drawn from
+    # the seed for each hit (corrupt, truncate) or 0 (delay: before the send).
     offset: int | None = None
 
     def __post_init__(self) -> None:
@@ -167,8 +168,12 @@ def _problem(rule: FaultRule) -> str | None:
     if rule.delay_s != DEFAULT_DELAY_S and rule.action is not FaultKind.DELAY:
         return f"delay_s applies to delay only, not {rule.action.value}"
     if rule.offset is not None:
-        if rule.action not in _NEEDS_OFFSET:
-            return f"offset applies to corrupt and truncate only, not {rule.action.value}"
+        mid_send_delay = rule.action is FaultKind.DELAY and rule.site is FaultSite.TRANSFER_SEND
+        if rule.action not in _NEEDS_OFFSET and not mid_send_delay:
+            return (
+                f"offset applies to corrupt and truncate (and delay at transfer.send) only,"
+                f" not {rule.action.value}"
+            )
         if rule.offset < 0:
             return f"offset must be >= 0, got {rule.offset}"
     return None

@@ -29,3 +29,14 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
             os.environ.pop("PDSERVE_CACHE", None)
         else:
             os.environ["PDSERVE_CACHE"] = old
+
+
+@pytest.fixture(scope="session")
+def kv_heavy_model_path(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama-layout checkpoint with real-model KV: head_dim 128, 32 KV heads, 4 layers
+    (2 MiB per 16-token block in float32), small weights; saved by transformers."""
+    from checkpoints import kv_heavy_config, save_hf_checkpoint
+
+    folder = tmp_path_factory.mktemp("kv-heavy") / "kv-heavy"
+    save_hf_checkpoint(folder, kv_heavy_config(), tiny_model_path, seed=7)
+    return folder

@@ -3,7 +3,8 @@
 The faults really change what the peer receives, so the receiver's checks (checksums, counts,
 deadlines) are what detect them:
 
-    DELAY     sleep `delay_s`, then send normally
+    DELAY     sleep `delay_s`, then send normally; with a byte offset, send that many bytes
+              first and sleep in the middle of the send (a process paused mid-frame)
     DROP      swallow the whole send (the caller sees success)
     CORRUPT   flip one bit at a byte offset; only that byte is copied (the view is split around
               it), the caller's memory (KV blocks) is never written
@@ -168,8 +169,13 @@ async def apply_send_fault(
     """
     match action:
         case FaultAction.DELAY:
-            await sleep(delay_s)
-            await inner.send(views)
+            if byte_offset:
+                await inner.send(_prefix(views, byte_offset))
+                await sleep(delay_s)
+                await inner.send(_suffix(views, byte_offset))
+            else:
+                await sleep(delay_s)
+                await inner.send(views)
         case FaultAction.DROP:
             pass
         case FaultAction.CORRUPT:
@@ -231,6 +237,18 @@ def _flip_bit(views: list[memoryview], offset: int, bit: int) -> list[memoryview
             return out
         out.append(view)
         offset -= view.nbytes
+    return out
+
+
+def _suffix(views: list[memoryview], num_bytes: int) -> list[memoryview]:
+    """`views` without their first `num_bytes`, as view slices."""
+    out: list[memoryview] = []
+    for view in views:
+        if num_bytes >= view.nbytes:
+            num_bytes -= view.nbytes
+            continue
+        out.append(view[num_bytes:])
+        num_bytes = 0
     return out
 
 

@@ -91,7 +91,8 @@ def test_spec_omits_defaults() -> None:
         ("worker.prefill:delay:delay_s=-1", "delay_s must be a finite number >= 0, got -1.0"),
         ("worker.prefill:delay:delay_s=inf", "delay_s must be a finite number >= 0, got inf"),
         ("worker.prefill:stall:delay_s=1", "delay_s applies to delay only, not stall"),
-        ("transfer.send:drop:offset=3", "offset applies to corrupt and truncate only, not drop"),
+        ("transfer.send:drop:offset=3", "offset applies to corrupt and truncate (and delay"),
+        ("worker.prefill:delay:offset=3", "offset applies to corrupt and truncate (and delay"),
         ("transfer.send:corrupt:offset=-3", "offset must be >= 0, got -3"),
     ],
 )

@@ -1,12 +1,9 @@
-"""Helpers shared by the model tests: HF reference checkpoints and a paged greedy decoder."""
+"""Helpers shared by the model tests: a paged greedy decoder (checkpoints: `checkpoints.py`)."""
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-from typing import Any
-
 import torch
+from checkpoints import randomize_, save_hf_checkpoint
 
 from pdserve.model.attention import build_metadata, contiguous_metadata
 from pdserve.model.llama import LlamaModel
@@ -16,46 +13,6 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max |actual - expected| / max |expected| over all elements (both cast to float64)."""
     a, b = actual.double(), expected.double()
     return float((a - b).abs().max() / b.abs().max())
-
-
-def randomize_(model: torch.nn.Module, seed: int) -> None:
-    """Re-init an HF model with unit-scale weights so logits have clear winners.
-
-    transformers' own init (std 0.02) gives near-uniform logits, where greedy ties would make
-    token comparisons meaningless. Norm weights and biases are random too, so a forward that
-    forgot one of them would fail.
-    """
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            elif name.endswith("bias"):
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
-            elif "embed_tokens" in name:
-                p.copy_(torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
-
-
-def save_hf_checkpoint(
-    folder: Path, hf_config: Any, tokenizer_dir: Path, seed: int = 0
-) -> torch.nn.Module:
-    """Build a random transformers model for hf_config, save it (safetensors) with a tokenizer.
-
-    Returns the transformers model in eval mode, the numerical reference.
-    """
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").eval()
-    randomize_(model, seed)
-    if hf_config.tie_word_embeddings:
-        model.tie_weights()
-    model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, folder / name)
-    return model
 
 
 def prefill_logits(module: LlamaModel, prompts: list[list[int]], block_size: int) -> torch.Tensor:
@@ -110,3 +67,13 @@ def paged_greedy(
         for row, t in zip(out, tokens, strict=True):
             row.append(int(t))
     return out
+
+
+__all__ = [
+    "kv_cache_for",
+    "paged_greedy",
+    "prefill_logits",
+    "randomize_",
+    "relative_error",
+    "save_hf_checkpoint",
+]

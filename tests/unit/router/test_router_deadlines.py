@@ -169,7 +169,9 @@ class FakeClient:
             return
         yield TokenEvent(
             token_ids=[],
-            handoff=HandoffInfo(transport="tcp", num_bytes=1, seconds=0.1, slow=False, canary="exact"),
+            handoff=HandoffInfo(
+                transport="tcp", num_bytes=1, seconds=0.1, slow=False, canary="exact"
+            ),
         )
         async for event in self._tokens(url, rid, 1, behaviour):
             yield event

@@ -21,9 +21,7 @@ class _VirtualSelector(selectors.BaseSelector):
         self.now = 0.0
         self._keys: dict[Any, selectors.SelectorKey] = {}
 
-    def register(
-        self, fileobj: Any, events: int, data: Any = None
-    ) -> selectors.SelectorKey:
+    def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
         key = selectors.SelectorKey(fileobj, 0, events, data)
         self._keys[fileobj] = key
         return key
