@@ -86,7 +86,10 @@ ROUTER_MIGRATIONS = _spec(
     "pdserve_router_migrations_total", "counter", "Decode streams moved to another worker."
 )
 ROUTER_KV_HANDOFFS = _spec(
-    "pdserve_router_kv_handoffs_total", "counter", "KV handoffs, by outcome.", "outcome"
+    "pdserve_router_kv_handoffs_total",
+    "counter",
+    "KV handoffs, by outcome: ok, failed, slow (committed far below the transport rate).",
+    "outcome",
 )
 ROUTER_HANDOFF_SPIKES = _spec(
     "pdserve_router_handoff_spikes_total",

@@ -44,7 +44,7 @@ from pdserve.router.breaker import CircuitBreaker
 from pdserve.router.capacity_queue import CapacityQueue
 from pdserve.router.colocated import ColocatedFlow
 from pdserve.router.config import Mode, RouterConfig
-from pdserve.router.disagg import DisaggFlow
+from pdserve.router.disagg import DisaggFlow, Handoff
 from pdserve.router.dispatcher import Dispatcher
 from pdserve.router.flow import Flow
 from pdserve.router.metrics import RouterMetrics
@@ -341,7 +341,7 @@ async def create_app(config: RouterConfig) -> web.Application:
             tokenizer.eos_token_ids,
             recovery=config.recovery,
             lease_ttl_s=config.lease_ttl_s,
-            on_kv_outcome=lambda ok, reason: record_kv_outcome(ok, reason),
+            on_kv_outcome=lambda outcome, reason: record_kv_outcome(outcome, reason),
             faults=FaultInjector(parse_rules(config.faults), config.fault_seed)
             if config.faults
             else None,
@@ -362,9 +362,9 @@ async def create_app(config: RouterConfig) -> web.Application:
         span_hook=otel.request_span_hook(),  # None unless OpenTelemetry is installed
     )
 
-    def record_kv_outcome(ok: bool, reason: str) -> None:
-        metrics.kv_handoffs["ok" if ok else "failed"] += 1
-        dispatcher.record_kv_outcome(ok, reason)
+    def record_kv_outcome(outcome: Handoff, reason: str) -> None:
+        metrics.kv_handoffs[outcome.value] += 1
+        dispatcher.record_kv_outcome(outcome is Handoff.OK, reason)
 
     app = web.Application(middlewares=[_middleware(config, dispatcher, metrics)])
     api = OpenAIApi(config, tokenizer, max_model_len, dispatcher, metrics)

@@ -42,6 +42,7 @@ migration path takes over). A finished request tells the policy what D and P now
 from __future__ import annotations
 
 import contextlib
+import enum
 import time
 from collections.abc import AsyncGenerator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -68,8 +69,17 @@ from pdserve.worker.protocol import (
 )
 from pdserve.worker.reservation_auth import sign_reservation
 
-# (ok, reason): one KV handoff succeeded (the decode side committed verified KV) or failed.
-KVOutcome = Callable[[bool, str], None]
+
+class Handoff(enum.Enum):
+    """How one KV handoff ended, as the breaker and the metrics count it."""
+
+    OK = "ok"  # the decode side committed verified KV
+    FAILED = "failed"  # it never did
+    SLOW = "slow"  # it did, far below the transport's expected rate (a failure for the breaker)
+
+
+# (outcome, reason): told for every handoff.
+KVOutcome = Callable[[Handoff, str], None]
 # Worker error types that no other worker or step can fix.
 _FINAL_ERRORS = frozenset({"DeadlineExceeded"})
 
@@ -134,7 +144,7 @@ class DisaggFlow:
         self._recovery = recovery or RecoveryConfig()
         self._lease_ttl_s = lease_ttl_s
         # Told the outcome of every KV handoff (the circuit breaker listens here).
-        self._on_kv_outcome = on_kv_outcome or (lambda ok, reason: None)
+        self._on_kv_outcome = on_kv_outcome or (lambda outcome, reason: None)
         # Tests' fault injection at the router's sites; None: every site is a no-op.
         self._faults = faults
         # Placement; without one, plain least-load (what the flow did before affinity).
@@ -335,7 +345,7 @@ class DisaggFlow:
             if not committed:
                 # Any failure before the commit (D dead, KV never verified or failed its value
                 # check, reservation gone) is the handoff's.
-                self._on_kv_outcome(False, str(exc))
+                self._on_kv_outcome(Handoff.FAILED, str(exc))
             if not _recoverable(exc) or (isinstance(exc, WorkerCallError) and exc.status == 400):
                 raise
             if committed:
@@ -349,12 +359,12 @@ class DisaggFlow:
         handoff = event.handoff
         if handoff is not None and handoff.slow:
             self._on_kv_outcome(
-                False,
+                Handoff.SLOW,
                 f"slow KV transfer over {handoff.transport}: {handoff.num_bytes} bytes in"
                 f" {handoff.seconds:.3f} s",
             )
         else:
-            self._on_kv_outcome(True, "")
+            self._on_kv_outcome(Handoff.OK, "")
 
     # ---- resumption: local prefill and migration -----------------------------------------
 
