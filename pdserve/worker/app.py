@@ -27,10 +27,11 @@ It knows HTTP, the protocol models and the worker's parts; not sockets of the KV
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from aiohttp import web
@@ -54,7 +55,7 @@ from pdserve.worker.config import WorkerConfig
 from pdserve.worker.engine_loop import EngineInfo, EngineLoop
 from pdserve.worker.http_errors import Handler, error_middleware
 from pdserve.worker.kv_inbox import KVInbox, Received
-from pdserve.worker.kv_outbox import KVOutbox, parse_destination
+from pdserve.worker.kv_outbox import Destination, KVOutbox, parse_destination
 from pdserve.worker.lease_keeper import LeaseKeeper
 from pdserve.worker.observe_routes import ObserveRoutes
 from pdserve.worker.protocol import (
@@ -144,6 +145,8 @@ class WorkerAPI:
         self.local_transports = local_transports
         self.canary_counts: Counter[str] = Counter()
         self.num_admission_refusals = 0
+        # Requests this worker admitted into its engine (/prefill, /generate) and not ended.
+        self.num_admitted = 0
         self.streams = TokenStreamer(engine, self.events, faults)
         self.observe = ObserveRoutes(self)
 
@@ -204,21 +207,30 @@ class WorkerAPI:
             await perform(rule)
         return _json(await inbox.reserve(body))
 
-    def _admit(self, request_id: str) -> None:
-        """Refuse new work (503, Retry-After) while `max_waiting` requests wait in the engine."""
-        if self.engine.num_waiting >= self.config.max_waiting:
+    @contextlib.contextmanager
+    def _admitted(self, request_id: str) -> Iterator[None]:
+        """Count a request in the engine for as long as the block runs; refuse it (503,
+        Retry-After) when `max_num_seqs` run and `max_waiting` more already wait."""
+        limit = self.config.engine.max_num_seqs + self.config.max_waiting
+        if self.num_admitted >= limit:
             self.num_admission_refusals += 1
             raise Overloaded(
-                f"worker {self.worker_id}: {self.engine.num_waiting} requests already wait"
-                f" (--max-waiting {self.config.max_waiting}); {request_id} not admitted"
+                f"worker {self.worker_id}: {self.num_admitted} requests in the engine"
+                f" (--max-num-seqs {self.config.engine.max_num_seqs} running +"
+                f" --max-waiting {self.config.max_waiting}); {request_id} not admitted"
             )
+        self.num_admitted += 1
+        try:
+            yield
+        finally:
+            self.num_admitted -= 1
 
     async def prefill(self, request: web.Request) -> web.Response:
         """POST /prefill PrefillRequest -> PrefillResult; the KV send continues after."""
         outbox = self._need_outbox("/prefill")
         body = await _parse(request, PrefillRequest)
         rid = body.request_id
-        params = body.sampling.to_params()
+        body.sampling.to_params()  # a bad sampling field is a 400 before anything runs
         destination = None
         if body.reservation is not None:
             # Before any prefill: a forged, expired or unreachable reservation costs nothing.
@@ -229,7 +241,14 @@ class WorkerAPI:
                 local=self.local_transports,
                 explicit=self.config.kv_transport != "auto",
             )
-        self._admit(rid)
+        with self._admitted(rid):
+            return await self._prefill(body, destination, outbox)
+
+    async def _prefill(
+        self, body: PrefillRequest, destination: Destination | None, outbox: KVOutbox
+    ) -> web.Response:
+        rid = body.request_id
+        params = body.sampling.to_params()
         if self.faults is not None and (rule := self.faults.fire(FaultSite.WORKER_PREFILL)):
             await perform(rule)
         start_ns = self.events.record(rid, "prefill_start").monotonic_ns
@@ -346,26 +365,26 @@ class WorkerAPI:
                 f"worker {self.worker_id} (role {self.config.role}) does not serve /generate"
             )
         body = await _parse(request, GenerateRequest)
-        self._admit(body.request_id)
-        self.events.record(
-            body.request_id, "generate_start", f"resume_after={len(body.output_token_ids)}"
-        )
-        queue = await self.engine.add(
-            body.request_id,
-            body.prompt_token_ids,
-            body.sampling.to_params(),
-            output_token_ids=body.output_token_ids,
-        )
-        done = False
-        try:
-            response = await self.streams.open(request)
-            await self.streams.stream(queue, response, body.request_id, body.deadline_s)
-            done = True
-        finally:
-            if not done:
-                await self.engine.abort(body.request_id)
-        await response.write_eof()
-        return response
+        with self._admitted(body.request_id):
+            self.events.record(
+                body.request_id, "generate_start", f"resume_after={len(body.output_token_ids)}"
+            )
+            queue = await self.engine.add(
+                body.request_id,
+                body.prompt_token_ids,
+                body.sampling.to_params(),
+                output_token_ids=body.output_token_ids,
+            )
+            done = False
+            try:
+                response = await self.streams.open(request)
+                await self.streams.stream(queue, response, body.request_id, body.deadline_s)
+                done = True
+            finally:
+                if not done:
+                    await self.engine.abort(body.request_id)
+            await response.write_eof()
+            return response
 
     async def renew(self, request: web.Request) -> web.Response:
         """POST /renew: keep a reservation alive while its prefill runs elsewhere."""

@@ -65,8 +65,9 @@ class WorkerConfig:
     # Check received KV by value before the first decode token (the canary), and send the
     # prefill side's digest with every transfer.
     kv_canary: bool = True
-    # Requests admitted into the engine and not yet running (waiting); past it /generate and
-    # /prefill answer 503 Overloaded with Retry-After instead of queueing without bound.
+    # Requests admitted into the engine beyond the `max_num_seqs` it runs at once; past it
+    # /generate and /prefill answer 503 Overloaded with Retry-After instead of queueing
+    # without bound.
     max_waiting: int = 256
     # KV data per frame (bytes); a larger block travels as several frames.
     kv_frame_bytes: int = 4 << 20

@@ -87,9 +87,6 @@ class EngineLoop:
         # Guards `_stopped` with the queue's tail: no command is queued behind the stop.
         self._lock = threading.Lock()
         self._stopped = False
-        # Requests admitted and not yet scheduled, as of the last command or step. Written on
-        # the engine thread only; read anywhere (an int read is atomic) for admission control.
-        self.num_waiting = 0
 
     @property
     def thread_ident(self) -> int | None:
@@ -252,7 +249,6 @@ class EngineLoop:
                 item = self._next_nowait()
             if engine.has_work():
                 self._step(engine)
-            self.num_waiting = len(engine.scheduler.waiting)
 
     def _next_nowait(self) -> _Command | object | None:
         try:

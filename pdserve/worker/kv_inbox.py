@@ -227,7 +227,7 @@ class KVInbox:
                 self.receiver.expect(
                     IncomingTransfer(
                         plan,
-                        views[skip:end],
+                        self._destination(views[skip:end]),
                         on_verified=lambda: self._verified(pending),
                         guard=lambda: self._leases.check(lease),
                         on_progress=lease.heartbeat,
@@ -360,6 +360,16 @@ class KVInbox:
     def has(self, request_id: str) -> bool:
         """Whether a reservation for the request is pending."""
         return request_id in self._pending
+
+    def _destination(self, views: list[memoryview]) -> list[memoryview]:
+        """Where a transfer's blocks land; the `transfer.recv_map` fault (tests only) shifts
+        them one place, as a stale block table would (only the canary can notice)."""
+        if self._faults is None or len(views) < 2:
+            return views
+        rule = self._faults.fire(FaultSite.TRANSFER_RECV_MAP)
+        if rule is None or rule.action is not FaultKind.SHIFT:
+            return views
+        return [*views[1:], views[0]]
 
     async def _chunk_fault(self) -> bool:
         """The `transfer.recv_chunk` site: False (close) drops the KV connection."""

@@ -54,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-num-batched-tokens", type=int, default=_ENGINE_DEFAULTS.max_num_batched_tokens
     )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=_ENGINE_DEFAULTS.max_num_seqs,
+        help="requests running at once",
+    )
     p.add_argument("--ready-file", type=Path, default=None, help='write {"url","pid"} here')
     p.add_argument(
         "--transfer-chunk-timeout-s",
@@ -164,6 +170,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         block_size=args.block_size,
         kv_cache_bytes=args.kv_cache_bytes,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
         model=model,
     )
     secret = load_secret(args.cluster_secret_file)
