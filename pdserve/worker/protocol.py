@@ -25,7 +25,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.logprobs import TokenLogprobs
+from pdserve.engine.sampling_params import GrammarKind, GrammarSpec, SamplingParams
 
 Role = Literal["prefill", "decode", "both"]
 
@@ -34,42 +35,113 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class GrammarModel(_Model):
+    """Wire form of `GrammarSpec`: a structured-output constraint."""
+
+    kind: Literal["json_schema", "regex", "choice", "grammar"]
+    source: str
+
+
 class SamplingModel(_Model):
-    """Wire form of `SamplingParams` (validated again when converted)."""
+    """Wire form of `SamplingParams` (validated again when converted).
+
+    Everything that shapes a token travels here, so a prefill worker, the decode worker that
+    continues after the KV handoff and any worker a migration lands on sample alike.
+    """
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # [token id, bias] pairs.
+    logit_bias: list[tuple[int, float]] = Field(default_factory=list)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    grammar: GrammarModel | None = None
 
     def to_params(self) -> SamplingParams:
         """The engine's params; raises SamplingParamsError naming a bad field."""
+        grammar = (
+            None
+            if self.grammar is None
+            else GrammarSpec(GrammarKind(self.grammar.kind), self.grammar.source)
+        )
         return SamplingParams(
             max_tokens=self.max_tokens,
             temperature=self.temperature,
             top_k=self.top_k,
             top_p=self.top_p,
+            min_p=self.min_p,
             seed=self.seed,
             stop=tuple(self.stop),
             stop_token_ids=tuple(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=tuple(self.logit_bias),
+            logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+            grammar=grammar,
         )
 
     @classmethod
     def from_params(cls, params: SamplingParams) -> SamplingModel:
+        grammar = params.grammar
         return cls(
             max_tokens=params.max_tokens,
             temperature=params.temperature,
             top_k=params.top_k,
             top_p=params.top_p,
+            min_p=params.min_p,
             seed=params.seed,
             stop=list(params.stop),
             stop_token_ids=list(params.stop_token_ids),
             ignore_eos=params.ignore_eos,
+            min_tokens=params.min_tokens,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            repetition_penalty=params.repetition_penalty,
+            logit_bias=list(params.logit_bias),
+            logprobs=params.logprobs,
+            prompt_logprobs=params.prompt_logprobs,
+            grammar=None
+            if grammar is None
+            else GrammarModel(kind=grammar.kind.value, source=grammar.source),
+        )
+
+
+class LogprobModel(_Model):
+    """Wire form of `TokenLogprobs`: one position's logprob and top alternatives.
+
+    JSON floats round-trip exactly (a float32 value is a float64 without loss, and the
+    encoder writes the shortest repr that reads back the same), so a logprob reaches the
+    router bit for bit."""
+
+    token_id: int
+    logprob: float
+    # The most likely tokens and their logprobs, most likely first.
+    top_token_ids: list[int] = Field(default_factory=list)
+    top_logprobs: list[float] = Field(default_factory=list)
+
+    @classmethod
+    def of(cls, lp: TokenLogprobs) -> LogprobModel:
+        """The wire form of the engine's value."""
+        return cls(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top_token_ids=[t for t, _ in lp.top],
+            top_logprobs=[v for _, v in lp.top],
         )
 
 
@@ -174,6 +246,10 @@ class PrefillResult(_Model):
     first_token_id: int
     num_prompt_tokens: int
     num_cached_tokens: int
+    # The first token's logprobs, when the sampling asked for them.
+    first_logprobs: LogprobModel | None = None
+    # Prompt tokens 1.. when the sampling asked for prompt logprobs.
+    prompt_logprobs: list[LogprobModel] | None = None
     # Monotonic-clock nanoseconds on the worker, for the request timeline.
     prefill_start_ns: int
     prefill_end_ns: int
@@ -207,6 +283,12 @@ class TokenEvent(_Model):
     # "stop" or "length" once finished; "error" with `error` set if the worker failed it.
     finish_reason: str | None = None
     error: str | None = None
+    # One per token in `token_ids` when the sampling asked for logprobs.
+    logprobs: list[LogprobModel] | None = None
+    # On the first event of a request prefilled by this worker that asked for them.
+    prompt_logprobs: list[LogprobModel] | None = None
+    # On the first event with tokens: prompt tokens this worker's prefix cache supplied.
+    num_cached_tokens: int | None = None
 
 
 class ReleaseRequest(_Model):
