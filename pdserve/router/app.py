@@ -24,7 +24,13 @@ from aiohttp.typedefs import Middleware
 from pydantic import BaseModel, ValidationError
 
 from pdserve.clock import MonotonicClock
-from pdserve.errors import InvalidRequest, NoCapacity, WorkerCallError, WorkerUnreachable
+from pdserve.errors import (
+    ConfigError,
+    InvalidRequest,
+    NoCapacity,
+    WorkerCallError,
+    WorkerUnreachable,
+)
 from pdserve.faults import FaultInjector, parse_rules
 from pdserve.membership import open_membership
 from pdserve.model.config import load_config
@@ -280,7 +286,17 @@ def _middleware(config: RouterConfig, dispatcher: Dispatcher, metrics: RouterMet
 async def create_app(config: RouterConfig) -> web.Application:
     """The router application for `config`; call inside the running event loop."""
     tokenizer = Tokenizer(config.model)
+    template = config.chat_template_text()
+    if template is not None:
+        tokenizer.chat_template = template
     max_model_len = load_config(config.model).max_position_embeddings
+    if config.max_model_len is not None:
+        if config.max_model_len > max_model_len:
+            raise ConfigError(
+                f"max-model-len: {config.max_model_len} exceeds the model's"
+                f" max_position_embeddings {max_model_len}"
+            )
+        max_model_len = config.max_model_len
     membership = open_membership(config.discovery, config.workers)
     session = aiohttp.ClientSession()
     client = WorkerClient(session, ClientTimeouts())

@@ -172,6 +172,14 @@ class RouterConfig:
     # Fault-injection rules at the router's sites (`pdserve.faults` syntax), tests only.
     faults: tuple[str, ...] = ()
     fault_seed: int = 0
+    # Names clients may pass as `model` (the first is listed first); () -> the folder's name.
+    served_model_names: tuple[str, ...] = ()
+    # Cap on prompt + output tokens; None -> the model's max_position_embeddings.
+    max_model_len: int | None = None
+    # A Jinja chat template (the text, or a file holding it) replacing the tokenizer's.
+    chat_template: str | None = None
+    # Drop unknown top-level request fields (logged) instead of answering 400.
+    allow_unknown_fields: bool = False
 
     def __post_init__(self) -> None:
         parse_rules(self.faults)  # a bad rule fails at start, named
@@ -193,8 +201,27 @@ class RouterConfig:
             raise ConfigError(f"timeline-ring: must be >= 1, got {self.timeline_ring}")
         if self.health_poll_interval_s <= 0 or self.lease_ttl_s <= 0:
             raise ConfigError("health_poll_interval_s and lease_ttl_s must be > 0")
+        if any(not name for name in self.served_model_names):
+            raise ConfigError("served-model-name: names must not be empty")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max-model-len: must be >= 2, got {self.max_model_len}")
 
     @property
     def model_name(self) -> str:
-        """The name clients pass as `model` (the folder's name)."""
-        return self.model.name
+        """The name responses report: the first served name, else the folder's name."""
+        return self.served_model_names[0] if self.served_model_names else self.model.name
+
+    def chat_template_text(self) -> str | None:
+        """The --chat-template override: a file's contents, or the text itself."""
+        value = self.chat_template
+        if value is None:
+            return None
+        path = Path(value)
+        try:
+            if len(value) < 4096 and path.is_file():
+                return path.read_text("utf-8")
+        except OSError as exc:
+            raise ConfigError(f"chat-template: cannot read {value}: {exc}") from exc
+        if "{" not in value:
+            raise ConfigError(f"chat-template: {value!r} is neither a file nor a Jinja template")
+        return value

@@ -181,10 +181,10 @@ class DisaggFlow:
             finish = self._first_token_finishes(request, first.first_token_id)
             if finish is not None:
                 timeline.advance(S.FINISHED, f"first token: {finish}")
-                yield TokenChunk([first.first_token_id], finish)
+                yield TokenChunk.of_prefill(first, finish)
                 return
             sent.append(first.first_token_id)
-            yield TokenChunk([first.first_token_id])
+            yield TokenChunk.of_prefill(first)
             while True:
                 current = leg
                 try:
@@ -332,9 +332,9 @@ class DisaggFlow:
                             timeline.advance(S.DECODING)
                         if event.finished:
                             timeline.advance(S.FINISHED, event.finish_reason or "")
-                            yield TokenChunk(event.token_ids, event.finish_reason or "stop")
+                            yield TokenChunk.of_event(event, event.finish_reason or "stop")
                             return
-                        yield TokenChunk(event.token_ids)
+                        yield TokenChunk.of_event(event)
         except RouterError as exc:
             # Before the commit any failure (D dead, KV never verified, reservation gone) is
             # the handoff's; after it, the decode's.
@@ -387,9 +387,9 @@ class DisaggFlow:
                             if event.finished:
                                 finished = True
                                 timeline.advance(S.FINISHED, event.finish_reason or "")
-                                yield TokenChunk(event.token_ids, event.finish_reason or "stop")
+                                yield TokenChunk.of_event(event, event.finish_reason or "stop")
                                 return
-                            yield TokenChunk(event.token_ids)
+                            yield TokenChunk.of_event(event)
                 raise WorkerUnreachable(url, "stream ended before finished")
             except RouterError as exc:
                 if isinstance(exc, WorkerUnreachable):
