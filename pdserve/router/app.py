@@ -55,6 +55,7 @@ from pdserve.router.policy import (
     rank_decode,
 )
 from pdserve.router.pool import WorkerPool
+from pdserve.router.tokenize_api import TokenizeApi
 from pdserve.router.worker_client import ClientTimeouts, WorkerClient
 
 log = logging.getLogger(__name__)
@@ -337,6 +338,7 @@ async def create_app(config: RouterConfig) -> web.Application:
     api = OpenAIApi(config, tokenizer, max_model_len, dispatcher, metrics)
     metrics.handoff_spikes = api.spikes.counts
     api.add_routes(app)
+    TokenizeApi(tokenizer, max_model_len, config.accepted_model_names).add_routes(app)
     routes = _Routes(config, pool, dispatcher, metrics, client=client)
     app.router.add_get("/health", routes.health)
     app.router.add_get("/ready", routes.ready)

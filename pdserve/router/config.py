@@ -211,6 +211,12 @@ class RouterConfig:
         """The name responses report: the first served name, else the folder's name."""
         return self.served_model_names[0] if self.served_model_names else self.model.name
 
+    @property
+    def accepted_model_names(self) -> tuple[str, ...]:
+        """What a request's `model` may be. vLLM's rule: with --served-model-name only those
+        names; else the folder's name (or its path)."""
+        return self.served_model_names or (self.model.name, str(self.model))
+
     def chat_template_text(self) -> str | None:
         """The --chat-template override: a file's contents, or the text itself."""
         value = self.chat_template

@@ -20,12 +20,12 @@ from pathlib import Path
 
 from aiohttp import web
 
+from pdserve.config_file import add_config_flag, expand
 from pdserve.errors import PdserveError
+from pdserve.flags import add_policy_flags
 from pdserve.router.app import create_app
 from pdserve.router.config import (
     MODES,
-    RECOVERY_STEPS,
-    ROUTINGS,
     AffinityConfig,
     BreakerConfig,
     RecoveryConfig,
@@ -42,6 +42,7 @@ _AFFINITY = AffinityConfig()
 def build_parser() -> argparse.ArgumentParser:
     """The router's command-line flags."""
     p = argparse.ArgumentParser(prog="pdserve router", description=__doc__.splitlines()[0])
+    add_config_flag(p)
     p.add_argument("--worker", action="append", default=[], help="worker base URL (repeatable)")
     p.add_argument(
         "--discovery",
@@ -63,60 +64,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--api-key", default=None)
     p.add_argument("--ready-file", type=Path, default=None)
-    p.add_argument("--request-timeout-s", type=float, default=600.0, help="per-request deadline")
-    p.add_argument(
-        "--lease-ttl-s", type=float, default=30.0, help="decode reservation / prefill KV lease"
-    )
     p.add_argument(
         "--timeline-ring",
         type=int,
         default=1000,
         help="recent requests whose timelines /debug/requests/{id} keeps",
     )
-    b = p.add_argument_group("circuit breaker (KV path failures -> colocated)")
-    b.add_argument("--no-breaker", action="store_true", help="never switch mode automatically")
-    b.add_argument("--breaker-window", type=int, default=_BREAKER.window)
-    b.add_argument("--breaker-min-samples", type=int, default=_BREAKER.min_samples)
-    b.add_argument("--breaker-failure-rate", type=float, default=_BREAKER.failure_rate)
-    b.add_argument("--breaker-cooldown-s", type=float, default=_BREAKER.cooldown_s)
-    a = p.add_argument_group("placement (prefix and session affinity against load)")
-    a.add_argument("--routing", choices=ROUTINGS, default=_AFFINITY.routing)
-    a.add_argument(
-        "--prefix-weight",
-        type=float,
-        default=_AFFINITY.prefix_weight,
-        help="cost of one prompt block the worker does not hold",
-    )
-    a.add_argument(
-        "--load-weight",
-        type=float,
-        default=_AFFINITY.load_weight,
-        help="cost of one request already on the worker",
-    )
-    a.add_argument(
-        "--local-prefill-threshold",
-        type=int,
-        default=_AFFINITY.local_prefill_threshold,
-        help="uncached prompt tokens a decode worker holding the rest prefills itself (0: never)",
-    )
-    a.add_argument("--max-sessions", type=int, default=_AFFINITY.max_sessions)
-    r = p.add_argument_group("recovery after a failed handoff")
-    r.add_argument(
-        "--recovery",
-        default=",".join(_RECOVERY.steps),
-        help=f"ordered steps from {','.join(RECOVERY_STEPS)}, or 'none'",
-    )
-    r.add_argument("--transfer-attempts", type=int, default=_RECOVERY.transfer_attempts)
-    r.add_argument("--max-reprefills", type=int, default=_RECOVERY.max_reprefills)
-    r.add_argument("--max-migrations", type=int, default=_RECOVERY.max_migrations)
-    r.add_argument("--queue-timeout-s", type=float, default=_RECOVERY.queue_timeout_s)
-    r.add_argument("--max-queued", type=int, default=_RECOVERY.max_queued)
+    add_policy_flags(p)
     return p
 
 
 def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
-    """Parse flags into a validated RouterConfig."""
-    args = build_parser().parse_args(argv)
+    """Parse flags (and a --config file) into a validated RouterConfig."""
+    parser = build_parser()
+    args = parser.parse_args(expand(sys.argv[1:] if argv is None else argv, parser))
     if args.model is None:
         from pdserve.model.tiny import default_model_path
 
@@ -137,6 +98,10 @@ def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
         request_timeout_s=args.request_timeout_s,
         lease_ttl_s=args.lease_ttl_s,
         timeline_ring=args.timeline_ring,
+        served_model_names=tuple(args.served_model_name or ()),
+        max_model_len=args.max_model_len,
+        chat_template=args.chat_template,
+        allow_unknown_fields=args.allow_unknown_fields,
         breaker=BreakerConfig(
             enabled=not args.no_breaker,
             window=args.breaker_window,

@@ -15,21 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncGenerator
-from typing import Any
 
 from aiohttp import web
 from pydantic import BaseModel
 
-from pdserve.errors import (
-    InvalidRequest,
-    NoCapacity,
-    RouterError,
-    WorkerCallError,
-)
+from pdserve.errors import NoCapacity, RouterError, WorkerCallError
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.observability.phases import handoff_phases
 from pdserve.observability.spikes import SpikeDetector
@@ -37,6 +30,7 @@ from pdserve.router import fanout, responses, sse
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatcher import Dispatcher
 from pdserve.router.fanout import ChoiceRun, Piece
+from pdserve.router.json_body import read_object
 from pdserve.router.logprobs_format import TokenTexts
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.openai_models import ChatDelta, ModelCard, ModelList
@@ -62,12 +56,9 @@ class OpenAIApi:
         self._max_model_len = max_model_len
         self._dispatcher = dispatcher
         self._metrics = metrics
-        # vLLM's rule: with --served-model-name only those names; else the folder's name (or
-        # its path).
-        names = config.served_model_names or (config.model_name, str(config.model))
         self._builder = RequestBuilder(
             BuilderConfig(
-                model_names=tuple(dict.fromkeys(names)),
+                model_names=config.accepted_model_names,
                 max_model_len=max_model_len,
                 allow_unknown_fields=config.allow_unknown_fields,
             ),
@@ -94,12 +85,12 @@ class OpenAIApi:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/completions."""
-        job = self._builder.completion(await _read_object(request))
+        job = self._builder.completion(await read_object(request))
         return await self._serve(request, job)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/chat/completions (prompt from the chat template)."""
-        job = self._builder.chat(await _read_object(request))
+        job = self._builder.chat(await read_object(request))
         return await self._serve(request, job)
 
     async def _serve(self, request: web.Request, job: Job) -> web.StreamResponse:
@@ -202,17 +193,6 @@ class OpenAIApi:
     @staticmethod
     def _echo_prefix(job: Job, choice: responses.ChoiceResult) -> str:
         return choice.prompt.text if job.echo else ""
-
-
-async def _read_object(request: web.Request) -> dict[str, Any]:
-    raw = await request.read()
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"malformed JSON body: {exc}", None, "invalid_json") from exc
-    if not isinstance(data, dict):
-        raise InvalidRequest("the body must be a JSON object", None, "invalid_json")
-    return data
 
 
 def _json(body: BaseModel, status: int = 200) -> web.Response:

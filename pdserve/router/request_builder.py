@@ -19,7 +19,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from pdserve.engine.grammar import GrammarCompiler
 from pdserve.engine.sampling_params import GrammarKind, GrammarSpec, SamplingParams
@@ -32,6 +32,7 @@ from pdserve.errors import (
 )
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.router import field_policy
+from pdserve.router.json_body import validate
 from pdserve.router.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -127,14 +128,7 @@ class RequestBuilder:
 
     def _validate(self, data: dict[str, Any], model: type[_M], kind: str) -> _M:
         kept = field_policy.screen(data, model, kind, self._config.allow_unknown_fields)
-        try:
-            body = model.model_validate(kept)
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            # loc[0] is the top-level field; deeper parts name union members or list indices.
-            param = str(err["loc"][0]) if err["loc"] else None
-            where = ".".join(str(p) for p in err["loc"])
-            raise InvalidRequest(f"{where}: {err['msg']}", param) from exc
+        body = validate(model, kept)
         assert isinstance(body, SamplingFields)
         if body.model not in self._config.model_names:
             raise InvalidRequest(

@@ -23,7 +23,9 @@ from pathlib import Path
 from typing import NoReturn
 
 from pdserve.config import DTYPES, EngineConfig, ModelLoadConfig
+from pdserve.config_file import add_config_flag, expand
 from pdserve.errors import ConfigError, PdserveError
+from pdserve.flags import add_engine_flags
 from pdserve.worker.config import ROLES, WorkerConfig
 from pdserve.worker.server import Worker
 
@@ -50,9 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", choices=("none", "int8"), default="none")
     p.add_argument("--block-size", type=int, default=_ENGINE_DEFAULTS.block_size)
     p.add_argument("--kv-cache-bytes", type=int, default=_ENGINE_DEFAULTS.kv_cache_bytes)
-    p.add_argument(
-        "--max-num-batched-tokens", type=int, default=_ENGINE_DEFAULTS.max_num_batched_tokens
-    )
+    add_engine_flags(p)
+    add_config_flag(p)
     p.add_argument("--ready-file", type=Path, default=None, help='write {"url","pid"} here')
     p.add_argument(
         "--transfer-chunk-timeout-s",
@@ -115,6 +116,11 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         block_size=args.block_size,
         kv_cache_bytes=args.kv_cache_bytes,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        batch_invariant=args.batch_invariant,
         model=model,
     )
     return WorkerConfig(
@@ -153,8 +159,9 @@ async def serve(config: WorkerConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
     try:
+        args = parser.parse_args(expand(sys.argv[1:] if argv is None else argv, parser))
         config = build_config(args)
     except ConfigError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
