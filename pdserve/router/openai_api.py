@@ -165,9 +165,13 @@ class OpenAIApi:
                         [len(self._echo_prefix(job, results[piece.index])) + o
                          for o in piece.text_offsets],
                     )  # fmt: skip
-                    body = responses.chunk(
-                        job, piece.index, piece.text, piece.finish_reason, piece.token_ids, lp
+                    so_far = (
+                        responses.usage(job, [r.result for r in runs])
+                        if job.body.continuous_usage
+                        else None
                     )
+                    body = responses.chunk(job, piece.index, piece.text, piece.finish_reason,
+                                           piece.token_ids, lp, so_far)  # fmt: skip
                     await resp.write(sse.encode_event(body))
                 piece = await anext(pieces, None)
         except RouterError as exc:

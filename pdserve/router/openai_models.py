@@ -19,11 +19,12 @@ class _Request(BaseModel):
 
 
 class StreamOptions(_Request):
-    """`stream_options`: only include_usage is honoured."""
+    """`stream_options`."""
 
+    # End the stream with a chunk carrying the usage and no choices.
     include_usage: bool = False
-    # Accepted and implied: usage is never sent per chunk, only in the final usage chunk.
-    continuous_usage_stats: Literal[False] = False
+    # Extension (vLLM): every chunk also carries the usage so far.
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(_Request):
@@ -95,6 +96,11 @@ class SamplingFields(_Request):
     def include_usage(self) -> bool:
         """True when a streamed response must end with a usage chunk."""
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """True when every streamed chunk carries the usage so far."""
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 # A prompt: text, token ids, or a batch of either (each its own choices).

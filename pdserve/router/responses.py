@@ -95,7 +95,8 @@ class ChoiceResult:
         return sum(lp.logprob for lp in self.logprobs)
 
 
-def _usage(job: Job, choices: Sequence[ChoiceResult]) -> Usage:
+def usage(job: Job, choices: Sequence[ChoiceResult]) -> Usage:
+    """Token counts of these choices (so far, while streaming)."""
     num_prompt = sum(len(p.token_ids) for p in job.prompts)
     num_completion = sum(c.output.num_tokens for c in choices)
     cached: dict[int, int] = {}
@@ -158,20 +159,24 @@ def chunk(
     finish_reason: str | None,
     token_ids: list[int] | None = None,
     logprobs: CompletionLogprobs | ChatLogprobs | None = None,
+    usage: Usage | None = None,
 ) -> BaseModel:
     """One streamed chunk adding `text` to choice `index` (finish_reason on the last);
-    `token_ids` when asked, `logprobs` of the chunk's tokens."""
+    `token_ids` when asked, `logprobs` of the chunk's tokens, `usage` so far if asked."""
     ids = token_ids if job.body.return_token_ids else None
     if job.kind == "chat":
         chat_lp = logprobs if isinstance(logprobs, ChatLogprobs) else None
-        return chat_chunk(job, index, ChatDelta(content=text), finish_reason, ids, chat_lp)
+        chunk = chat_chunk(job, index, ChatDelta(content=text), finish_reason, ids, chat_lp)
+        chunk.usage = usage
+        return chunk
     lp = logprobs if isinstance(logprobs, CompletionLogprobs) else None
     choice = CompletionChoice(
         index=index, text=text, finish_reason=finish_reason, token_ids=ids, logprobs=lp
     )
     return CompletionResponse(
-        id=job.request_id, created=job.created, model=job.body.model, choices=[choice]
-    )
+        id=job.request_id, created=job.created, model=job.body.model, choices=[choice],
+        usage=usage,
+    )  # fmt: skip
 
 
 def chat_chunk(
@@ -194,7 +199,7 @@ def chat_chunk(
 
 def whole(job: Job, choices: Sequence[ChoiceResult], texts: TokenTexts) -> BaseModel:
     """The non-streamed response with these choices (in index order)."""
-    usage = _usage(job, choices)
+    counts = usage(job, choices)
     if job.kind == "chat":
         chat_choices = [
             ChatChoice(
@@ -208,7 +213,7 @@ def whole(job: Job, choices: Sequence[ChoiceResult], texts: TokenTexts) -> BaseM
         ]
         return ChatCompletionResponse(
             id=job.request_id, created=job.created, model=job.body.model,
-            choices=chat_choices, usage=usage,
+            choices=chat_choices, usage=counts,
         )  # fmt: skip
     out = []
     for c in choices:
@@ -231,7 +236,7 @@ def whole(job: Job, choices: Sequence[ChoiceResult], texts: TokenTexts) -> BaseM
             )
         )
     return CompletionResponse(
-        id=job.request_id, created=job.created, model=job.body.model, choices=out, usage=usage
+        id=job.request_id, created=job.created, model=job.body.model, choices=out, usage=counts
     )
 
 
@@ -256,14 +261,14 @@ def _concat(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
 
 def usage_chunk(job: Job, choices: Sequence[ChoiceResult]) -> BaseModel:
     """The final streamed chunk of `stream_options.include_usage`: no choices, the usage."""
-    usage = _usage(job, choices)
+    counts = usage(job, choices)
     if job.kind == "chat":
         return ChatCompletionChunk(
             id=job.request_id, created=job.created, model=job.body.model, choices=[],
-            usage=usage,
+            usage=counts,
         )  # fmt: skip
     return CompletionResponse(
-        id=job.request_id, created=job.created, model=job.body.model, choices=[], usage=usage
+        id=job.request_id, created=job.created, model=job.body.model, choices=[], usage=counts
     )
 
 
