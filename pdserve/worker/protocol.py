@@ -21,7 +21,7 @@ or state, 503 no capacity (with Retry-After).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -70,55 +70,31 @@ class SamplingModel(_Model):
 
     def to_params(self) -> SamplingParams:
         """The engine's params; raises SamplingParamsError naming a bad field."""
-        grammar = (
-            None
-            if self.grammar is None
-            else GrammarSpec(GrammarKind(self.grammar.kind), self.grammar.source)
-        )
+        # Lists on the wire, tuples in the frozen dataclass.
+        fields: dict[str, Any] = {
+            k: tuple(v) if isinstance(v, list) else v
+            for k, v in self.model_dump(exclude={"grammar"}).items()
+        }
+        grammar = self.grammar
         return SamplingParams(
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            min_p=self.min_p,
-            seed=self.seed,
-            stop=tuple(self.stop),
-            stop_token_ids=tuple(self.stop_token_ids),
-            ignore_eos=self.ignore_eos,
-            min_tokens=self.min_tokens,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            logit_bias=tuple(self.logit_bias),
-            logprobs=self.logprobs,
-            prompt_logprobs=self.prompt_logprobs,
-            grammar=grammar,
+            **fields,
+            grammar=None
+            if grammar is None
+            else GrammarSpec(GrammarKind(grammar.kind), grammar.source),
         )
 
     @classmethod
     def from_params(cls, params: SamplingParams) -> SamplingModel:
+        """The wire form of the engine's params."""
+        fields: dict[str, Any] = {}
+        for name in cls.model_fields:
+            value = getattr(params, name)
+            fields[name] = list(value) if isinstance(value, tuple) else value
         grammar = params.grammar
-        return cls(
-            max_tokens=params.max_tokens,
-            temperature=params.temperature,
-            top_k=params.top_k,
-            top_p=params.top_p,
-            min_p=params.min_p,
-            seed=params.seed,
-            stop=list(params.stop),
-            stop_token_ids=list(params.stop_token_ids),
-            ignore_eos=params.ignore_eos,
-            min_tokens=params.min_tokens,
-            presence_penalty=params.presence_penalty,
-            frequency_penalty=params.frequency_penalty,
-            repetition_penalty=params.repetition_penalty,
-            logit_bias=list(params.logit_bias),
-            logprobs=params.logprobs,
-            prompt_logprobs=params.prompt_logprobs,
-            grammar=None
-            if grammar is None
-            else GrammarModel(kind=grammar.kind.value, source=grammar.source),
+        fields["grammar"] = (
+            None if grammar is None else {"kind": grammar.kind.value, "source": grammar.source}
         )
+        return cls.model_validate(fields)
 
 
 class LogprobModel(_Model):

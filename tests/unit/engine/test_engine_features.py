@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from openai_cases import SCHEMA
 
 from pdserve.config import EngineConfig, ModelLoadConfig
 from pdserve.engine.engine import Engine, RequestDelta
@@ -217,18 +218,6 @@ def test_min_tokens_delays_stop_strings(model: LoadedModel) -> None:
     late = SamplingParams(**{**_fields(stopped), "min_tokens": 10})
     later, _ = tokens_and_logprobs(run(engine(model), "l", ids, late))
     assert len(early) <= 4 < 10 < len(later)
-
-
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "enum": ["ada", "bob", "cy"]},
-        "age": {"type": "integer", "minimum": 0, "maximum": 99},
-        "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3},
-    },
-    "required": ["name", "age", "tags"],
-    "additionalProperties": False,
-}
 
 
 def test_structured_output_is_valid_and_survives_resume_mid_json(model: LoadedModel) -> None:

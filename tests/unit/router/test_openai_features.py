@@ -265,3 +265,50 @@ def test_served_model_names_and_max_model_len(model: Path) -> None:
             assert resp.status == 400 and (await resp.json())["error"]["param"] == "max_tokens"
 
     run(body)
+
+
+def test_structured_output_without_the_extra_is_a_400_naming_it(
+    model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib
+
+    from pdserve.engine import grammar
+
+    real = importlib.import_module
+
+    def no_llguidance(name: str, *args: object) -> object:
+        if name == "llguidance":
+            raise ImportError("No module named 'llguidance'")
+        return real(name, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(grammar.importlib, "import_module", no_llguidance)
+    both = FakeWorker("both", TOKENS)
+
+    async def body() -> None:
+        async with router(model, [both], mode="colocated") as client:
+            req = chat(response_format={"type": "json_object"})
+            resp = await client.post("/v1/chat/completions", json=req)
+            err = (await resp.json())["error"]
+            assert resp.status == 400 and err["param"] == "response_format"
+            assert "pdserve[grammar]" in err["message"]
+            assert both.paths() == []
+
+    run(body)
+
+
+def test_chat_template_override(model: Path, tmp_path: Path) -> None:
+    both = FakeWorker("both", TOKENS)
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}")
+
+    async def body() -> None:
+        async with router(model, [both], mode="colocated", chat_template=str(template)) as c:
+            msgs = {"messages": [{"role": "user", "content": "hi"}]}
+            ids = (await (await c.post("/tokenize", json=msgs)).json())["tokens"]
+            text = (await (await c.post("/detokenize", json={"tokens": ids})).json())["prompt"]
+            assert text == "<<hi>>"
+            # The chat endpoint renders the same template.
+            usage = (await (await c.post("/v1/chat/completions", json=chat())).json())["usage"]
+            assert usage["prompt_tokens"] == len(ids)
+
+    run(body)
