@@ -112,7 +112,7 @@ class Engine:
         self.max_model_len = config.max_model_len or limit
         # Structured output; the grammar library is loaded on the first request that asks.
         self.grammars = GrammarCompiler(
-            model.tokenizer.to_json(), model.config.vocab_size, model.eos_token_ids
+            model.tokenizer.to_json, model.config.vocab_size, model.eos_token_ids
         )
 
     @classmethod

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import importlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -104,7 +104,11 @@ class GrammarState:
 class GrammarCompiler:
     """Builds matchers for one tokenizer (the library's tokenizer is built once, lazily)."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self, tokenizer_json: Callable[[], str], vocab_size: int, eos_token_ids: Sequence[int]
+    ) -> None:
+        # Called on the first grammar request only: serializing a large tokenizer costs time
+        # that engines and routers without structured output need not spend.
         self._tokenizer_json = tokenizer_json
         self._vocab_size = vocab_size
         self._eos = list(eos_token_ids)
@@ -114,7 +118,7 @@ class GrammarCompiler:
         if self._tokenizer is None:
             llg = _llguidance()
             self._tokenizer = llg.LLTokenizer(
-                self._tokenizer_json, n_vocab=self._vocab_size, eos_token=self._eos or None
+                self._tokenizer_json(), n_vocab=self._vocab_size, eos_token=self._eos or None
             )
         return self._tokenizer
 

@@ -67,7 +67,7 @@ class RequestBuilder:
         self._config = config
         self._tokenizer = tokenizer
         self._grammars = GrammarCompiler(
-            tokenizer.to_json(), tokenizer.vocab_size, tokenizer.eos_token_ids
+            tokenizer.to_json, tokenizer.vocab_size, tokenizer.eos_token_ids
         )
 
     def completion(self, data: dict[str, Any]) -> Job:
