@@ -84,7 +84,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
         model = default_model_path()
     else:
         model = Path(args.model)
-    return RouterConfig(
+    config = RouterConfig(
         workers=tuple(args.worker),
         discovery=args.discovery,
         faults=tuple(args.fault),
@@ -125,6 +125,8 @@ def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
             max_queued=args.max_queued,
         ),
     )
+    config.chat_template_text()  # a bad --chat-template fails here, at start
+    return config
 
 
 def write_ready_file(path: Path, url: str) -> None:
