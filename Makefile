@@ -23,10 +23,36 @@ system-deps:
 run: install
 	$(PY) -m pdserve up
 
-test: install system-deps
+# Outside OpenAI clients the tests drive against `pdserve up` (tests/clients): guidellm and
+# aiperf, pinned, each in its own venv under .venv-clients/ (gitignored, built once, reused
+# while the pins are unchanged). torch CPU goes into guidellm's venv first, so guidellm's torch
+# requirement never pulls a CUDA build.
+GUIDELLM := guidellm==0.8.1
+AIPERF := aiperf==0.13.0
+CLIENTS := .venv-clients
+
+$(CLIENTS)/guidellm/.installed:
+	rm -rf $(CLIENTS)/guidellm && python3 -m venv $(CLIENTS)/guidellm
+	$(CLIENTS)/guidellm/bin/python -m pip install -q torch==2.13.0
+	$(CLIENTS)/guidellm/bin/python -m pip install -q '$(GUIDELLM)'
+	echo '$(GUIDELLM)' > $@
+
+$(CLIENTS)/aiperf/.installed:
+	rm -rf $(CLIENTS)/aiperf && python3 -m venv $(CLIENTS)/aiperf
+	$(CLIENTS)/aiperf/bin/python -m pip install -q '$(AIPERF)'
+	echo '$(AIPERF)' > $@
+
+# A changed pin rebuilds that venv.
+client-venvs:
+	@grep -qxF '$(GUIDELLM)' $(CLIENTS)/guidellm/.installed 2>/dev/null || rm -f $(CLIENTS)/guidellm/.installed
+	@grep -qxF '$(AIPERF)' $(CLIENTS)/aiperf/.installed 2>/dev/null || rm -f $(CLIENTS)/aiperf/.installed
+	$(MAKE) $(CLIENTS)/guidellm/.installed $(CLIENTS)/aiperf/.installed
+
+test: install system-deps client-venvs
 	$(PY) -m ruff check pdserve tests benchmarks
 	$(PY) -m ruff format --check pdserve tests benchmarks
 	$(PY) -m mypy
-	$(PY) -m pytest -q
+	# The outside-client tests must run here, not skip for want of their venvs.
+	PDSERVE_REQUIRE_CLIENTS=1 $(PY) -m pytest -q
 
-.PHONY: install system-deps run test
+.PHONY: install system-deps run test client-venvs

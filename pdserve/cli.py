@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from pdserve.config_file import add_config_flag
 from pdserve.errors import PdserveError
+from pdserve.flags import add_engine_flags, add_policy_flags
 
 
 def _int_in(text: str, low: int, high: int | None, what: str) -> int:
@@ -76,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--host", default="127.0.0.1")
     u.add_argument("--port", type=_port, default=8000)
     u.add_argument("--api-key", default=None)
+    add_config_flag(u)
+    u.set_defaults(router_flags=_added(u, add_policy_flags, max_model_len=False))
+    u.set_defaults(worker_flags=_added(u, add_engine_flags))
 
     st = sub.add_parser("status", help="router, mode and workers of a running cluster")
     st.add_argument("--url", default=None, help="router URL (default: the running `pdserve up`)")
@@ -206,9 +211,41 @@ def _cmd_chaos(args: argparse.Namespace) -> int:
     return run_chaos(config)
 
 
+def _added(
+    parser: argparse.ArgumentParser, add: Callable[..., None], **kwargs: bool
+) -> list[argparse.Action]:
+    """The actions `add(parser, **kwargs)` declares (to pass their values on later)."""
+    before = len(parser._actions)
+    add(parser, **kwargs)
+    return parser._actions[before:]
+
+
+def forwarded(actions: Sequence[argparse.Action], args: argparse.Namespace) -> list[str]:
+    """The flags that give a child process the values `args` holds for `actions` (values
+    left at their defaults are not repeated)."""
+    argv: list[str] = []
+    for action in actions:
+        value = getattr(args, action.dest)
+        if value == action.default or value is None:
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif action.nargs == 0:
+            argv.append(flag)
+        elif isinstance(value, list):
+            argv += [flag, *map(str, value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
 def _cmd_up(args: argparse.Namespace) -> int:
     from pdserve.launcher import UpConfig, run_up
 
+    worker_args = forwarded(args.worker_flags, args)
+    # The router checks prompt lengths against the same limit the workers enforce.
+    max_len = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
     config = UpConfig(
         num_prefill=args.prefill,
         num_decode=args.decode,
@@ -219,6 +256,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         block_size=args.block_size,
         api_key=args.api_key,
+        router_args=tuple(forwarded(args.router_flags, args) + max_len),
+        worker_args=tuple(worker_args),
     )
     return run_up(config)
 
@@ -277,12 +316,30 @@ def _run_process(command: str, argv: list[str]) -> int:
     return router_main(argv)
 
 
+def _expand_config(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """argv with `pdserve up --config FILE` expanded into flags (the command's own parser
+    checks every key)."""
+    if argv[:1] != ["up"]:
+        return argv
+    from pdserve.config_file import expand
+
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[
+        "up"
+    ]
+    return ["up", *expand(argv[1:], sub)]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `pdserve` script."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if (process := process_command(argv)) is not None:
         return _run_process(*process)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(_expand_config(parser, argv))
+    except PdserveError as exc:
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 2
     try:
         if args.command == "generate":
             return _cmd_generate(args)

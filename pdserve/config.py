@@ -50,6 +50,13 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     # Reuse full KV blocks of earlier requests with the same token prefix.
     enable_prefix_caching: bool = True
+    # Compute every token on canonical shapes (`model.batch_invariant`): its logits, and so
+    # its logprobs and sampled token, are bitwise the same whatever else the step computes,
+    # however the prompt was chunked or cached, and after a migration's recompute.
+    batch_invariant: bool = True
+    # Longest prompt + output a request may have; None: the model's max_position_embeddings
+    # (a larger value is refused when the model loads).
+    max_model_len: int | None = None
     model: ModelLoadConfig = field(default_factory=ModelLoadConfig)
 
     def __post_init__(self) -> None:
@@ -57,5 +64,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and (
+            not isinstance(self.max_model_len, int) or self.max_model_len < 2
+        ):
+            raise ConfigError(f"max_model_len: must be an integer >= 2, got {self.max_model_len!r}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ConfigError(f"num_blocks: must be >= 1, got {self.num_blocks!r}")

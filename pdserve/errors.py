@@ -7,7 +7,9 @@ field, the worker, the frame.
 
     PdserveError
     ├── ConfigError                     bad CLI flag, config value or sampling parameter
-    │   └── SamplingParamsError
+    │   ├── SamplingParamsError
+    │   ├── GrammarError                a structured-output spec that cannot compile (names why)
+    │   └── GrammarUnavailable          structured output asked, extra pdserve[grammar] absent
     ├── ModelError                      a model folder pdserve cannot load
     │   ├── ModelFileMissing            file absent (names the file)
     │   ├── ModelConfigError            config.json field missing or invalid (names the field)
@@ -70,6 +72,15 @@ class ConfigError(PdserveError, ValueError):
 
 class SamplingParamsError(ConfigError):
     """A sampling parameter is out of range."""
+
+
+class GrammarError(SamplingParamsError):
+    """A structured-output spec (JSON schema, regex, choice, grammar) the grammar library
+    cannot compile; the message says what is wrong."""
+
+
+class GrammarUnavailable(SamplingParamsError):
+    """Structured output was asked for, but the optional grammar library is not installed."""
 
 
 class ModelError(PdserveError):

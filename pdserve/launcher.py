@@ -49,6 +49,8 @@ class UpConfig:
     startup_timeout_s: float = 180.0
     # Extra `pdserve router` flags (e.g. ("--routing", "round_robin") for a benchmark).
     router_args: tuple[str, ...] = ()
+    # Extra `pdserve worker` flags, given to every worker (e.g. ("--max-num-seqs", "8")).
+    worker_args: tuple[str, ...] = ()
     # Where the running cluster is described for `pdserve status`.
     state_file: Path = field(default_factory=lambda: default_state_file())
 
@@ -172,7 +174,7 @@ class Cluster:
         c = self.config
         args = ["pdserve.worker.main", "--role", role, "--host", c.host, "--port", "0"]
         args += ["--worker-id", name, "--dtype", c.dtype, "--block-size", str(c.block_size)]
-        return args + (["--model", c.model] if c.model else [])
+        return args + (["--model", c.model] if c.model else []) + list(c.worker_args)
 
     def start(self) -> str:
         """Start workers then the router; returns the router URL."""

@@ -22,12 +22,14 @@ import torch
 from pdserve.clock import Clock, MonotonicClock
 from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.grammar import GrammarCompiler
 from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
-from pdserve.errors import ConfigError, PromptTooLong
+from pdserve.errors import ConfigError, PromptTooLong, SamplingParamsError
 from pdserve.model.loader import LoadedModel, load_model
 
 
@@ -40,6 +42,12 @@ class RequestDelta:
     finished: bool
     # "stop", "length" or "abort" once finished.
     finish_reason: str | None
+    # One per new token when the request asked for logprobs.
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    # With the first token of a request that asked for prompt logprobs: prompt tokens 1...
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    # Prompt tokens served from the prefix cache when the request was admitted.
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +103,19 @@ class Engine:
             num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(model.module, self.kv_cache)
+        self.runner = ModelRunner(model.module, self.kv_cache, config.batch_invariant)
         self._eos = frozenset(model.eos_token_ids)
+        limit = model.config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ConfigError(
+                f"max_model_len: {config.max_model_len} exceeds the model's "
+                f"max_position_embeddings {limit}"
+            )
+        self.max_model_len = config.max_model_len or limit
+        # Structured output; the grammar library is loaded on the first request that asks.
+        self.grammars = GrammarCompiler(
+            model.tokenizer.to_json, model.config.vocab_size, model.eos_token_ids
+        )
 
     @classmethod
     def from_config(cls, config: EngineConfig, clock: Clock | None = None) -> Engine:
@@ -114,7 +133,7 @@ class Engine:
     ) -> Request:
         if not prompt_token_ids:
             raise PromptTooLong(f"request {request_id}: the prompt is empty")
-        limit = self.model.config.max_position_embeddings
+        limit = self.max_model_len
         if len(prompt_token_ids) + params.max_tokens > limit:
             raise PromptTooLong(
                 f"request {request_id}: {len(prompt_token_ids)} prompt tokens + max_tokens "
@@ -124,9 +143,21 @@ class Engine:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ConfigError(f"request {request_id}: token ids {bad[:5]} outside 0..{vocab - 1}")
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        bad += [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise SamplingParamsError(
+                f"request {request_id}: logit_bias / stop_token_ids token ids {bad[:5]} outside"
+                f" 0..{vocab - 1}"
+            )
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos)
-        return Request(request_id, list(prompt_token_ids), params, seed, stops, self.clock.now_ns())
+        request = Request(
+            request_id, list(prompt_token_ids), params, seed, stops, self.clock.now_ns()
+        )
+        if params.grammar is not None:
+            request.grammar = self.grammars.state(params.grammar)
+        return request
 
     def add_request(
         self,
@@ -152,6 +183,14 @@ class Engine:
                     f"(max_tokens {params.max_tokens}, out-of-range ids {bad[:5]})"
                 )
             request.output_token_ids.extend(output_token_ids)
+            if request.grammar is not None:
+                # The grammar state is a function of the tokens: replay them.
+                for token_id in output_token_ids:
+                    request.grammar.accept(token_id)
+        # Prompt logprobs go out once, with the first token of the request's first run.
+        request.collects_prompt_logprobs = (
+            params.prompt_logprobs is not None and not output_token_ids
+        )
         request.hold_kv = hold_kv
         self.scheduler.add(request)
         return request
@@ -185,8 +224,27 @@ class Engine:
             raise ConfigError(
                 f"request {request_id}: first token {first_token_id} outside 0..{vocab - 1}"
             )
+        request = self.get_request(request_id)
+        if request.grammar is not None:
+            request.grammar.accept(first_token_id)
         self.scheduler.mark_remote_kv_ready(request_id, first_token_id)
-        self.get_request(request_id).first_token_ns = self.clock.now_ns()
+        request.first_token_ns = self.clock.now_ns()
+
+    def first_token_finishes(self, request_id: str, first_token_id: int) -> str | None:
+        """The finish reason if a remote request's first token (sampled by the prefill engine)
+        already ends it, else None: a stop token past min_tokens, max_tokens 1, or a grammar
+        that this token completes."""
+        request = self.get_request(request_id)
+        params = request.sampling_params
+        if first_token_id in request.stop_token_ids and params.min_tokens == 0:
+            return "stop"
+        if params.max_tokens <= 1:
+            return "length"
+        if request.grammar is not None and params.grammar is not None:
+            probe = self.grammars.state(params.grammar, [first_token_id])
+            if probe.finished:
+                return "stop"
+        return None
 
     def canary_logits(self, request_id: str) -> tuple[int, torch.Tensor]:
         """(position, logits) of the request's last prompt position, recomputed from its
@@ -226,18 +284,29 @@ class Engine:
             s.request.request_id: self.block_manager.block_ids(s.request.request_id)
             for s in out.scheduled
         }
-        sampled = self.runner.run(out, tables)
+        result = self.runner.run(out, tables)
         self.scheduler.update_after_step(out)
         now = self.clock.now_ns()
         deltas: list[RequestDelta] = []
         for s in out.scheduled:
             request = s.request
-            token = sampled.get(request.request_id)
-            if token is None:
+            if request.request_id in result.prompt_logprobs:
+                first, values = result.prompt_logprobs[request.request_id]
+                # A recompute after preemption computes positions again: keep the first.
+                have = len(request.prompt_logprobs)
+                request.prompt_logprobs.extend(values[max(0, have - first) :])
+            sampled = result.sampled.get(request.request_id)
+            if sampled is None:
                 continue
+            token = sampled.token_id
             request.output_token_ids.append(token)
+            if request.grammar is not None:
+                request.grammar.accept(token)
+            prompt_logprobs = None
             if request.first_token_ns is None:
                 request.first_token_ns = now
+                if request.collects_prompt_logprobs:
+                    prompt_logprobs = tuple(request.prompt_logprobs)
             status = self._check_stop(request, token)
             if status is not None:
                 request.finish_ns = now
@@ -248,18 +317,31 @@ class Engine:
                     (token,),
                     status is not None,
                     status.finish_reason if status else None,
+                    logprobs=() if sampled.logprobs is None else (sampled.logprobs,),
+                    prompt_logprobs=prompt_logprobs,
+                    num_cached_tokens=request.num_cached_tokens,
                 )
             )
         return deltas
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
-        if token in request.stop_token_ids:
+        # Before min_tokens tokens exist nothing but max_tokens ends the request (vLLM).
+        past_min = request.num_output_tokens > params.min_tokens
+        if past_min and token in request.stop_token_ids:
             self._set_text(request)
             return RequestStatus.FINISHED_STOPPED
-        if params.stop:
-            text = self.model.tokenizer.decode(request.output_token_ids)
-            hits = [i for i in (text.find(s) for s in params.stop) if i >= 0]
+        if request.grammar is not None and request.grammar.finished:
+            self._set_text(request)
+            return RequestStatus.FINISHED_STOPPED
+        if params.stop and past_min:
+            decode = self.model.tokenizer.decode
+            text = decode(request.output_token_ids)
+            # A stop string counts only if it ends after the first min_tokens tokens' text.
+            floor = len(decode(request.output_token_ids[: params.min_tokens]))
+            hits = [
+                i for i in (text.find(s, max(0, floor - len(s) + 1)) for s in params.stop) if i >= 0
+            ]
             if hits:
                 request.output_text = text[: min(hits)]
                 return RequestStatus.FINISHED_STOPPED

@@ -2,63 +2,131 @@
 
 It flattens the step's tokens, builds the attention metadata (slot of every new token, block
 tables, context lengths), runs the model over the paged KV cache and samples one token for each
-request that the step brings level. It owns no request state: the scheduler advances counts.
+request that the step brings level, with its logprobs when asked (from the same float32
+logits the sampler got). Requests collecting prompt logprobs also get the logits of every
+prompt position of their chunk. It owns no request state: the scheduler advances counts and
+the engine appends tokens.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from pdserve.engine.kv_cache import KVCache
-from pdserve.engine.sampler import SamplingRow, sample
+from pdserve.engine.logits_processing import LogitsContext
+from pdserve.engine.logprobs import TokenLogprobs, token_logprobs
+from pdserve.engine.request import Request
+from pdserve.engine.sampler import SamplingRow, sample_row
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.model.attention import build_metadata
 from pdserve.model.llama import LlamaModel
 
 
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    """The token drawn for one request, with its logprobs if the request asked."""
+
+    token_id: int
+    logprobs: TokenLogprobs | None = None
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one forward produced."""
+
+    sampled: dict[str, SampledToken] = field(default_factory=dict)
+    # request id -> (first prompt position, logprobs of the prompt tokens after it, in order).
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+
+
+def _row(request: Request) -> SamplingRow:
+    p = request.sampling_params
+    context = LogitsContext(
+        p,
+        request.prompt_token_ids,
+        request.output_token_ids,
+        request.stop_token_ids,
+        request.grammar.allowed() if request.grammar is not None else None,
+    )
+    return SamplingRow(
+        p.temperature,
+        p.top_k,
+        p.top_p,
+        request.seed,
+        request.num_output_tokens,
+        p.min_p,
+        context if context.changes_logits else None,
+    )
+
+
 class ModelRunner:
     """Runs the model for one scheduled step."""
 
-    def __init__(self, model: LlamaModel, kv_cache: KVCache) -> None:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, batch_invariant: bool = True) -> None:
         self.model = model
         self.kv_cache = kv_cache
+        self.batch_invariant = batch_invariant
 
     @torch.inference_mode()
-    def run(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> dict[str, int]:
+    def run(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepResult:
         """Compute the step; returns the sampled token of every request that samples."""
         input_ids: list[int] = []
         positions: list[int] = []
         sequences: list[tuple[list[int], int, int]] = []
         logit_idx: list[int] = []
-        rows: list[SamplingRow] = []
-        sampled_ids: list[str] = []
+        # (request, its row in the logits) of requests that sample.
+        sampling: list[tuple[Request, int]] = []
+        # (request, first prompt position, number of rows, first row in the logits).
+        prompt_rows: list[tuple[Request, int, int, int]] = []
         for s in out.scheduled:
             request = s.request
             start = request.num_computed_tokens
             end = start + s.num_new_tokens
+            base = len(input_ids)
             input_ids.extend(request.all_token_ids[start:end])
             positions.extend(range(start, end))
             sequences.append((block_tables[request.request_id], start, end))
+            if request.needs_prompt_logprobs:
+                # Position p predicts prompt token p + 1; the last prompt position predicts
+                # the first output token (a sampling row).
+                last = min(end, request.num_prompt_tokens - 1)
+                if last > start:
+                    prompt_rows.append((request, start, last - start, len(logit_idx)))
+                    logit_idx.extend(range(base, base + last - start))
             if s.samples:
+                sampling.append((request, len(logit_idx)))
                 logit_idx.append(len(input_ids) - 1)
-                p = request.sampling_params
-                rows.append(
-                    SamplingRow(
-                        p.temperature, p.top_k, p.top_p, request.seed, request.num_output_tokens
-                    )
-                )
-                sampled_ids.append(request.request_id)
-        meta = build_metadata(sequences, self.kv_cache.block_size)
+        meta = build_metadata(sequences, self.kv_cache.block_size, self.batch_invariant)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long),  # [T]
             torch.tensor(positions, dtype=torch.long),  # [T]
             self.kv_cache.tensor,
             meta,
         )
+        result = StepResult()
         if not logit_idx:
-            return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(logit_idx)])  # [N, vocab]
-        return dict(zip(sampled_ids, sample(logits, rows), strict=True))
+            return result
+        logits = self.model.compute_logits(
+            hidden[torch.tensor(logit_idx)], self.batch_invariant
+        )  # [N, vocab]
+        for request, first, count, row in prompt_rows:
+            num_top = request.sampling_params.prompt_logprobs or 0
+            result.prompt_logprobs[request.request_id] = (
+                first,
+                [
+                    token_logprobs(logits[row + i], request.token_at(first + i + 1), num_top)
+                    for i in range(count)
+                ],
+            )
+        for request, row in sampling:
+            raw = logits[row]
+            token = sample_row(raw, _row(request))
+            wanted = request.sampling_params.logprobs
+            lp = None if wanted is None else token_logprobs(raw, token, wanted)
+            result.sampled[request.request_id] = SampledToken(token, lp)
+        return result
 
     @torch.inference_mode()
     def position_logits(self, block_table: list[int], token_id: int, position: int) -> torch.Tensor:
@@ -71,11 +139,11 @@ class ModelRunner:
         scratch = self.kv_cache.scratch_block_id
         cache[scratch].copy_(cache[block_table[index]])
         table = [*block_table[:index], scratch]
-        meta = build_metadata([(table, position, position + 1)], bs)
+        meta = build_metadata([(table, position, position + 1)], bs, self.batch_invariant)
         hidden = self.model(
             torch.tensor([token_id], dtype=torch.long),  # [1]
             torch.tensor([position], dtype=torch.long),  # [1]
             cache,
             meta,
         )
-        return self.model.compute_logits(hidden)[0]  # [vocab]
+        return self.model.compute_logits(hidden, self.batch_invariant)[0]  # [vocab]

@@ -19,6 +19,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from pdserve.engine.grammar import GrammarState
+from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -79,6 +81,12 @@ class Request:
     output_text: str = ""
     first_token_ns: int | None = None
     finish_ns: int | None = None
+    # Structured output: the grammar's position after the output tokens so far.
+    grammar: GrammarState | None = None
+    # Logprobs of prompt tokens 1.. (when asked), filled as prefill chunks run; position 0 has
+    # none. Only a request prefilled here from its first token collects them.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    collects_prompt_logprobs: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -95,6 +103,14 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """True while prompt positions still lack their logprobs (cached KV has no logits,
+        so such a request bypasses the prefix cache)."""
+        return (
+            self.collects_prompt_logprobs and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        )
 
     def token_at(self, index: int) -> int:
         """Token id at absolute position `index` (prompt first, then outputs)."""

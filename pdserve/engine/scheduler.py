@@ -180,7 +180,7 @@ class Scheduler:
             request = self.waiting[0]
             computed: list[int] = []
             num_cached = 0
-            if request.num_computed_tokens == 0:
+            if request.num_computed_tokens == 0 and not request.needs_prompt_logprobs:
                 computed, num_cached = bm.get_computed_blocks(request.all_token_ids)
             num_new = self._chunk(request.num_tokens - num_cached, budget)
             if num_new == 0:

@@ -21,6 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pdserve.model.batch_invariant import InvariantPlan, build_plan
+from pdserve.model.batch_invariant import attention as invariant_attention
+
 KV_LAYOUT_VERSION = 1
 
 
@@ -61,6 +64,9 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     # Decode sequences, grouped by context length so short ones do not pay for the longest.
     decode_groups: list[DecodeGroup]
+    # Set in batch-invariant mode: attention runs per query on canonical shapes instead (and
+    # linear layers on fixed row tiles), see `batch_invariant`.
+    invariant: InvariantPlan | None = None
 
 
 def write_kv(
@@ -91,6 +97,8 @@ def paged_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """Attention of queries q ([T, num_heads, head_dim]) over the cached K/V of their sequences."""
+    if meta.invariant is not None:
+        return invariant_attention(q, kv_cache, layer, meta.invariant, scale)
     out = torch.empty_like(q)
     for span in meta.prefills:
         k, v = _gather(kv_cache, layer, span.block_table)
@@ -123,12 +131,13 @@ def paged_attention(
 
 
 def build_metadata(
-    sequences: list[tuple[list[int], int, int]], block_size: int
+    sequences: list[tuple[list[int], int, int]], block_size: int, batch_invariant: bool = False
 ) -> AttentionMetadata:
     """Metadata for a flattened batch of (block_table, start, end) sequences, in batch order.
 
     Sequence i contributes the tokens at positions start..end-1 (its KV for 0..start-1 is already
-    cached); a sequence with one new token takes the batched decode path.
+    cached); a sequence with one new token takes the batched decode path. `batch_invariant`
+    plans attention per query on canonical shapes (`batch_invariant.build_plan`).
     """
     slot_block: list[int] = []
     slot_offset: list[int] = []
@@ -154,6 +163,14 @@ def build_metadata(
             span = PrefillSpan(query_start, end - start, end, torch.tensor(ctx_table), mask)
             prefills.append(span)
         query_start += end - start
+    if batch_invariant:
+        return AttentionMetadata(
+            slot_block=torch.tensor(slot_block, dtype=torch.long),
+            slot_offset=torch.tensor(slot_offset, dtype=torch.long),
+            prefills=[],
+            decode_groups=[],
+            invariant=build_plan(sequences, block_size),
+        )
     return AttentionMetadata(
         slot_block=torch.tensor(slot_block, dtype=torch.long),
         slot_offset=torch.tensor(slot_offset, dtype=torch.long),

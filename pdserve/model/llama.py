@@ -17,12 +17,14 @@ the cost is dominated by per-op overhead, not FLOPs.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model.attention import AttentionMetadata, paged_attention, write_kv
+from pdserve.model.batch_invariant import linear as invariant_linear
 from pdserve.model.config import ModelConfig
 
 
@@ -113,16 +115,22 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; writes this step's K/V for `self.layer`."""
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(self.input_layernorm(x))  # [T, q + 2 kv]
+        lin = _linear if meta.invariant is None else invariant_linear
+        qkv = lin(self.qkv_proj, self.input_layernorm(x))  # [T, q + 2 kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)  # [T, H, D]
         k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         write_kv(kv_cache, self.layer, k, v, meta)
         attn = paged_attention(q, kv_cache, self.layer, meta, self.scale)  # [T, H, D]
-        x = x + self.o_proj(attn.reshape(num_tokens, self.q_size))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        x = x + lin(self.o_proj, attn.reshape(num_tokens, self.q_size))
+        gate, up = lin(self.gate_up_proj, self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + lin(self.down_proj, F.silu(gate) * up)
+
+
+def _linear(layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = layer(x)
+    return out
 
 
 class LlamaModel(nn.Module):
@@ -188,12 +196,16 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [N, vocab] in float32 for hidden states [N, hidden]."""
-        if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        logits: torch.Tensor = self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+        """Logits [N, vocab] in float32 for hidden states [N, hidden] (fixed row tiles when
+        `batch_invariant`, so a row's logits do not depend on N)."""
+        head = self.lm_head if self.lm_head is not None else self._tied_head
+        logits = invariant_linear(head, hidden) if batch_invariant else _linear(head, hidden)
         return logits.float()
+
+    def _tied_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of tied embeddings: hidden @ embedding.T."""
+        return F.linear(hidden, self.embed_tokens.weight)
 
 
 def pack_hf_weights(

@@ -91,6 +91,10 @@ class Tokenizer:
             ids.insert(0, self.bos_token_id)
         return ids
 
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizer.json` text (for libraries that build their own)."""
+        return str(self._tok.to_str())
+
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `token_ids`; bytes that do not form UTF-8 become U+FFFD."""
         return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))

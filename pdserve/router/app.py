@@ -58,6 +58,7 @@ from pdserve.router.policy import (
     rank_decode,
 )
 from pdserve.router.pool import WorkerPool
+from pdserve.router.tokenize_api import TokenizeApi
 from pdserve.router.worker_client import ClientTimeouts, WorkerClient
 from pdserve.worker.protocol import WorkerHealth
 
@@ -313,8 +314,21 @@ def error_reply(exc: BaseException, request_timeout_s: float) -> ErrorReply:
 async def create_app(config: RouterConfig) -> web.Application:
     """The router application for `config`; call inside the running event loop."""
     tokenizer = Tokenizer(config.model)
+    template = config.chat_template_text()
+    if template is not None:
+        tokenizer.chat_template = template
     max_model_len = load_config(config.model).max_position_embeddings
+<<<<<<< HEAD
     model_fields = router_model_fields(config.model, tokenizer)
+=======
+    if config.max_model_len is not None:
+        if config.max_model_len > max_model_len:
+            raise ConfigError(
+                f"max-model-len: {config.max_model_len} exceeds the model's"
+                f" max_position_embeddings {max_model_len}"
+            )
+        max_model_len = config.max_model_len
+>>>>>>> issue-17
     membership = open_membership(config.discovery, config.workers)
     session = aiohttp.ClientSession()
     client = WorkerClient(session, ClientTimeouts(), key=config.http_key)
@@ -370,6 +384,7 @@ async def create_app(config: RouterConfig) -> web.Application:
     api = OpenAIApi(config, tokenizer, max_model_len, dispatcher, metrics)
     metrics.handoff_spikes = api.spikes.counts
     api.add_routes(app)
+    TokenizeApi(tokenizer, max_model_len, config.accepted_model_names).add_routes(app)
     routes = _Routes(config, pool, dispatcher, metrics, client=client)
     app.router.add_get("/health", routes.health)
     app.router.add_get("/ready", routes.ready)

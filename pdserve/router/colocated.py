@@ -110,9 +110,9 @@ class ColocatedFlow:
                             if event.finished:
                                 settled = True
                                 timeline.advance(S.FINISHED, event.finish_reason or "")
-                                yield TokenChunk(event.token_ids, event.finish_reason or "stop")
+                                yield TokenChunk.of_event(event, event.finish_reason or "stop")
                                 return
-                            yield TokenChunk(event.token_ids)
+                            yield TokenChunk.of_event(event)
                             event = await anext(events, None)
                         raise WorkerUnreachable(url, "generate stream ended before finished")
                 except RouterError as exc:

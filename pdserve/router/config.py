@@ -177,6 +177,14 @@ class RouterConfig:
     # `insecure_no_auth` (for workers started with --insecure-no-auth).
     cluster_secret: ClusterSecret | None = None
     insecure_no_auth: bool = False
+    # Names clients may pass as `model` (the first is listed first); () -> the folder's name.
+    served_model_names: tuple[str, ...] = ()
+    # Cap on prompt + output tokens; None -> the model's max_position_embeddings.
+    max_model_len: int | None = None
+    # A Jinja chat template (the text, or a file holding it) replacing the tokenizer's.
+    chat_template: str | None = None
+    # Drop unknown top-level request fields (logged) instead of answering 400.
+    allow_unknown_fields: bool = False
 
     def __post_init__(self) -> None:
         parse_rules(self.faults)  # a bad rule fails at start, named
@@ -204,6 +212,10 @@ class RouterConfig:
                 " PDSERVE_CLUSTER_SECRET, as for the workers; --insecure-no-auth for workers"
                 " that run without one)"
             )
+        if any(not name for name in self.served_model_names):
+            raise ConfigError("served-model-name: names must not be empty")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max-model-len: must be >= 2, got {self.max_model_len}")
 
     @property
     def http_key(self) -> bytes | None:
@@ -217,5 +229,26 @@ class RouterConfig:
 
     @property
     def model_name(self) -> str:
-        """The name clients pass as `model` (the folder's name)."""
-        return self.model.name
+        """The name responses report: the first served name, else the folder's name."""
+        return self.served_model_names[0] if self.served_model_names else self.model.name
+
+    @property
+    def accepted_model_names(self) -> tuple[str, ...]:
+        """What a request's `model` may be. vLLM's rule: with --served-model-name only those
+        names; else the folder's name (or its path)."""
+        return self.served_model_names or (self.model.name, str(self.model))
+
+    def chat_template_text(self) -> str | None:
+        """The --chat-template override: a file's contents, or the text itself."""
+        value = self.chat_template
+        if value is None:
+            return None
+        path = Path(value)
+        try:
+            if len(value) < 4096 and path.is_file():
+                return path.read_text("utf-8")
+        except OSError as exc:
+            raise ConfigError(f"chat-template: cannot read {value}: {exc}") from exc
+        if "{" not in value:
+            raise ConfigError(f"chat-template: {value!r} is neither a file nor a Jinja template")
+        return value

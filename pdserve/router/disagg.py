@@ -409,7 +409,7 @@ class DisaggFlow:
                         if event.finished:
                             finished = True
                             timeline.advance(S.FINISHED, event.finish_reason or "")
-                            yield TokenChunk(event.token_ids, event.finish_reason or "stop")
+                            yield TokenChunk.of_event(event, event.finish_reason or "stop")
                             return
                         yield TokenChunk(event.token_ids)
             raise WorkerUnreachable(url, "stream ended before finished")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pdserve.router.state import RequestTimeline
-from pdserve.worker.protocol import SamplingModel
+from pdserve.worker.protocol import LogprobModel, PrefillResult, SamplingModel, TokenEvent
 
 
 @dataclass(slots=True)
@@ -49,6 +49,35 @@ class TokenChunk:
 
     token_ids: list[int]
     finish_reason: str | None = None
+    # One per token when the sampling asked for logprobs (a flow passes the worker's on).
+    logprobs: list[LogprobModel] | None = None
+    # Prompt tokens 1.. with the first chunk, when the sampling asked for prompt logprobs.
+    prompt_logprobs: list[LogprobModel] | None = None
+    # Prompt tokens the worker's prefix cache supplied (first chunk with tokens).
+    num_cached_tokens: int | None = None
+
+    @classmethod
+    def of_event(cls, event: TokenEvent, finish_reason: str | None = None) -> TokenChunk:
+        """A worker's stream line as a chunk (`finish_reason` set on the last)."""
+        return cls(
+            event.token_ids,
+            finish_reason,
+            event.logprobs,
+            event.prompt_logprobs,
+            event.num_cached_tokens,
+        )
+
+    @classmethod
+    def of_prefill(cls, result: PrefillResult, finish_reason: str | None = None) -> TokenChunk:
+        """The prefill worker's first token as a chunk."""
+        logprobs = None if result.first_logprobs is None else [result.first_logprobs]
+        return cls(
+            [result.first_token_id],
+            finish_reason,
+            logprobs,
+            result.prompt_logprobs,
+            result.num_cached_tokens,
+        )
 
 
 class Flow(Protocol):

@@ -20,13 +20,16 @@ from pathlib import Path
 
 from aiohttp import web
 
+<<<<<<< HEAD
 from pdserve.auth.secret import load_secret
+=======
+from pdserve.config_file import add_config_flag, expand
+>>>>>>> issue-17
 from pdserve.errors import PdserveError
+from pdserve.flags import add_policy_flags
 from pdserve.router.app import create_app
 from pdserve.router.config import (
     MODES,
-    RECOVERY_STEPS,
-    ROUTINGS,
     AffinityConfig,
     BreakerConfig,
     RecoveryConfig,
@@ -43,6 +46,7 @@ _AFFINITY = AffinityConfig()
 def build_parser() -> argparse.ArgumentParser:
     """The router's command-line flags."""
     p = argparse.ArgumentParser(prog="pdserve router", description=__doc__.splitlines()[0])
+    add_config_flag(p)
     p.add_argument("--worker", action="append", default=[], help="worker base URL (repeatable)")
     p.add_argument(
         "--discovery",
@@ -64,16 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--api-key", default=None)
     p.add_argument("--ready-file", type=Path, default=None)
-    p.add_argument("--request-timeout-s", type=float, default=600.0, help="per-request deadline")
-    p.add_argument(
-        "--lease-ttl-s", type=float, default=30.0, help="decode reservation / prefill KV lease"
-    )
     p.add_argument(
         "--timeline-ring",
         type=int,
         default=1000,
         help="recent requests whose timelines /debug/requests/{id} keeps",
     )
+<<<<<<< HEAD
     b = p.add_argument_group("circuit breaker (KV path failures -> colocated)")
     b.add_argument("--no-breaker", action="store_true", help="never switch mode automatically")
     b.add_argument("--breaker-window", type=int, default=_BREAKER.window)
@@ -124,21 +125,29 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="talk to workers started with --insecure-no-auth (no credential)",
     )
+=======
+    add_policy_flags(p)
+>>>>>>> issue-17
     return p
 
 
 def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
-    """Parse flags into a validated RouterConfig."""
-    args = build_parser().parse_args(argv)
+    """Parse flags (and a --config file) into a validated RouterConfig."""
+    parser = build_parser()
+    args = parser.parse_args(expand(sys.argv[1:] if argv is None else argv, parser))
     if args.model is None:
         from pdserve.model.tiny import default_model_path
 
         model = default_model_path()
     else:
         model = Path(args.model)
+<<<<<<< HEAD
     return RouterConfig(
         cluster_secret=load_secret(args.cluster_secret_file),
         insecure_no_auth=args.insecure_no_auth,
+=======
+    config = RouterConfig(
+>>>>>>> issue-17
         workers=tuple(args.worker),
         discovery=args.discovery,
         faults=tuple(args.fault),
@@ -152,6 +161,10 @@ def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
         request_timeout_s=args.request_timeout_s,
         lease_ttl_s=args.lease_ttl_s,
         timeline_ring=args.timeline_ring,
+        served_model_names=tuple(args.served_model_name or ()),
+        max_model_len=args.max_model_len,
+        chat_template=args.chat_template,
+        allow_unknown_fields=args.allow_unknown_fields,
         breaker=BreakerConfig(
             enabled=not args.no_breaker,
             window=args.breaker_window,
@@ -175,6 +188,8 @@ def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
             max_queued=args.max_queued,
         ),
     )
+    config.chat_template_text()  # a bad --chat-template fails here, at start
+    return config
 
 
 def write_ready_file(path: Path, url: str) -> None:

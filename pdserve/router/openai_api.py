@@ -1,10 +1,10 @@
 """OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions, /v1/models.
 
-A request goes: JSON → pydantic model → checks (model name, n, prompt length against the
-model's max_position_embeddings, sampling ranges), each failure an `InvalidRequest` naming the
-OpenAI `param` → token ids (chat via the tokenizer's template) → a flow chosen by the
-dispatcher → `OutputStream` (detokenization, stop strings, max_tokens) → one JSON body, or SSE
-chunks ending in `data: [DONE]`.
+A request goes: JSON → `RequestBuilder` (fields screened, pydantic model, model name, prompts
+as token ids, sampling ranges, structured output compiled, context length; each failure an
+`InvalidRequest` naming the OpenAI `param`) → one flow per sample (`fanout`: n, best_of, lists
+of prompts), each chosen by the dispatcher → `OutputStream` per choice (detokenization, stop
+strings, max_tokens) → one JSON body, or SSE chunks ending in `data: [DONE]`.
 
 A streamed response's headers are sent only after the first token arrives, so "no capacity"
 and worker-side refusals are still proper HTTP statuses; anything that fails after that (a
@@ -19,18 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import secrets
 import time
-import uuid
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
-from typing import TypeVar
 
 from aiohttp import web
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
+<<<<<<< HEAD
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import (
     InvalidRequest,
@@ -41,38 +37,24 @@ from pdserve.errors import (
     SamplingParamsError,
     WorkerCallError,
 )
+=======
+from pdserve.errors import NoCapacity, RouterError, WorkerCallError
+>>>>>>> issue-17
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.observability.phases import handoff_phases
 from pdserve.observability.spikes import SpikeDetector
-from pdserve.router import responses, sse
+from pdserve.router import fanout, responses, sse
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatcher import Dispatcher
-from pdserve.router.flow import Flow, FlowRequest
+from pdserve.router.fanout import ChoiceRun, Piece
+from pdserve.router.json_body import read_object
+from pdserve.router.logprobs_format import TokenTexts
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.openai_models import (
-    ChatCompletionRequest,
-    ChatDelta,
-    CompletionRequest,
-    ModelCard,
-    ModelList,
-    SamplingFields,
-)
-from pdserve.router.output import OutputStream
+from pdserve.router.openai_models import ChatDelta, ModelCard, ModelList
+from pdserve.router.request_builder import BuilderConfig, RequestBuilder
 from pdserve.router.responses import Job, error_body
-from pdserve.router.state import RequestState
-from pdserve.worker.protocol import SamplingModel
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class _Piece:
-    """Text released by one worker chunk; `finish_reason` set on the last."""
-
-    text: str
-    finish_reason: str | None
-    # The tokens the output accepted from this chunk (for `return_token_ids`).
-    token_ids: list[int]
 
 
 class OpenAIApi:
@@ -91,7 +73,15 @@ class OpenAIApi:
         self._max_model_len = max_model_len
         self._dispatcher = dispatcher
         self._metrics = metrics
-        self._model_names = {config.model_name, str(config.model)}
+        self._builder = RequestBuilder(
+            BuilderConfig(
+                model_names=config.accepted_model_names,
+                max_model_len=max_model_len,
+                allow_unknown_fields=config.allow_unknown_fields,
+            ),
+            tokenizer,
+        )
+        self._texts = TokenTexts(tokenizer)
         self._created = int(time.time())
         # Baselines of handoff phases; a finished request far over one is logged and counted.
         self.spikes = SpikeDetector()
@@ -103,101 +93,26 @@ class OpenAIApi:
         app.router.add_get("/v1/models", self.models)
 
     async def models(self, request: web.Request) -> web.Response:
-        """GET /v1/models: the one served model."""
-        card = ModelCard(
-            id=self._config.model_name, created=self._created, max_model_len=self._max_model_len
-        )
-        return _json(ModelList(data=[card]))
+        """GET /v1/models: the served model, under each of its names."""
+        cards = [
+            ModelCard(id=name, created=self._created, max_model_len=self._max_model_len)
+            for name in (self._config.served_model_names or (self._config.model_name,))
+        ]
+        return _json(ModelList(data=cards))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/completions."""
-        body = await _parse(request, CompletionRequest)
-        if isinstance(body.prompt, str):
-            if not body.prompt:
-                raise InvalidRequest("prompt: must not be empty", "prompt")
-            ids = self._tokenizer.encode(body.prompt)
-        else:
-            bad = [t for t in body.prompt if not 0 <= t < self._tokenizer.vocab_size]
-            if not body.prompt or bad:
-                raise InvalidRequest(
-                    f"prompt: token ids must be a non-empty list in [0, "
-                    f"{self._tokenizer.vocab_size}), got {bad[:5] or 'an empty list'}",
-                    "prompt",
-                )
-            ids = list(body.prompt)
-        job = self._job("completion", "cmpl", body, ids, "prompt", _or(body.max_tokens, 16))
+        job = self._builder.completion(await read_object(request))
         return await self._serve(request, job)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        """POST /v1/chat/completions (prompt from the tokenizer's chat template)."""
-        body = await _parse(request, ChatCompletionRequest)
-        messages = [{"role": m.role, "content": m.content} for m in body.messages]
-        try:
-            ids = self._tokenizer.encode_chat(messages)
-        except ModelConfigError as exc:
-            raise InvalidRequest(f"messages: {exc}", "messages") from exc
-        # OpenAI's default for chat is "until the context is full".
-        default = max(self._max_model_len - len(ids), 1)
-        max_tokens = _or(body.max_completion_tokens, _or(body.max_tokens, default))
-        job = self._job("chat", "chatcmpl", body, ids, "messages", max_tokens)
+        """POST /v1/chat/completions (prompt from the chat template)."""
+        job = self._builder.chat(await read_object(request))
         return await self._serve(request, job)
 
-    def _job(
-        self,
-        kind: str,
-        prefix: str,
-        body: SamplingFields,
-        ids: list[int],
-        prompt_param: str,
-        max_tokens: int,
-    ) -> Job:
-        if body.model not in self._model_names:
-            raise InvalidRequest(
-                f"model: {body.model!r} is not served here (serving {self._config.model_name!r})",
-                "model",
-                "model_not_found",
-            )
-        if body.n != 1:
-            raise InvalidRequest(f"n: only n=1 is supported, got {body.n}", "n")
-        limit = self._max_model_len
-        if len(ids) >= limit:
-            raise InvalidRequest(
-                f"{prompt_param}: the prompt has {len(ids)} tokens; this model's context is "
-                f"{limit} tokens (max_position_embeddings)",
-                prompt_param,
-                "context_length_exceeded",
-            )
-        if max_tokens >= 1 and len(ids) + max_tokens > limit:
-            raise InvalidRequest(
-                f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
-                f"this model's context of {limit} tokens",
-                "max_tokens",
-                "context_length_exceeded",
-            )
-        try:
-            params = SamplingParams(
-                max_tokens=max_tokens,
-                temperature=body.temperature,
-                top_k=body.top_k,
-                top_p=body.top_p,
-                # Drawn here when absent, so the prefill, decode and any migration target all
-                # sample with one seed: a replay then continues the same random stream.
-                seed=body.seed if body.seed is not None else secrets.randbits(63),
-                stop=tuple(body.stop_list()),
-                ignore_eos=body.ignore_eos,
-            )
-        except SamplingParamsError as exc:
-            field = str(exc).split(":", 1)[0]
-            raise InvalidRequest(str(exc), field) from exc
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
-        sampling = SamplingModel.from_params(params)
-        return Job(kind, request_id, int(time.time()), body, ids, sampling)
-
     async def _serve(self, request: web.Request, job: Job) -> web.StreamResponse:
-        flow, timeline = self._dispatcher.begin(job.request_id)
-        mode = timeline.mode
-        output = OutputStream(self._tokenizer, job.sampling, self._tokenizer.eos_token_ids)
         session_id = request.headers.get("x-session-id") or job.body.user
+<<<<<<< HEAD
         deadline = asyncio.get_running_loop().time() + self._config.request_timeout_s
         freq = FlowRequest(
             job.request_id, job.prompt_token_ids, job.sampling, timeline, session_id, deadline
@@ -212,6 +127,24 @@ class OpenAIApi:
                         text = "".join([p.text async for p in pieces])
                     resp = _json(responses.whole(job, text, output))
                     status = "ok"
+=======
+        runs = fanout.start(job, self._dispatcher, self._tokenizer, session_id)
+        mode = runs[0].timeline.mode
+        status = "error"
+        try:
+            async with (
+                asyncio.timeout(self._config.request_timeout_s),
+                contextlib.aclosing(fanout.pieces(runs)) as pieces,
+            ):
+                if job.body.stream:
+                    resp = await self._stream(request, job, pieces, runs)
+                else:
+                    async for _ in pieces:
+                        pass  # each choice accumulates its own result
+                    chosen = fanout.returned(job, runs)
+                    resp = _json(responses.whole(job, chosen, self._texts))
+            status = "ok"
+>>>>>>> issue-17
             return resp
         except NoCapacity:
             status = "no_capacity"
@@ -220,7 +153,8 @@ class OpenAIApi:
             status = "client_error" if exc.status == 400 else "error"
             raise
         except TimeoutError:
-            timeline.fail(f"request timeout ({self._config.request_timeout_s} s)")
+            for run in runs:
+                run.timeline.fail(f"request timeout ({self._config.request_timeout_s} s)")
             status = "timeout"
             raise
         except (ConnectionResetError, asyncio.CancelledError):
@@ -230,57 +164,68 @@ class OpenAIApi:
         finally:
             self._metrics.count_request(mode, status)
             if status == "ok" and mode == "disagg":
-                for spike in self.spikes.observe(job.request_id, handoff_phases(timeline.history)):
-                    log.warning("%s", spike.describe())
-
-    async def _pieces(
-        self, flow: Flow, freq: FlowRequest, output: OutputStream
-    ) -> AsyncGenerator[_Piece, None]:
-        timeline = freq.timeline
-        async with contextlib.aclosing(flow.stream(freq)) as chunks:
-            async for chunk in chunks:
-                before = output.num_tokens
-                text = output.add_all(chunk.token_ids)
-                accepted = output.token_ids[before:]
-                if chunk.finish_reason is not None and not output.finished:
-                    text += output.finish(chunk.finish_reason)
-                if output.finished and not timeline.done:
-                    # Finished here (stop string, max_tokens) before the worker said so; closing
-                    # the flow after this releases the worker's copy without a failure record.
-                    timeline.advance(RequestState.FINISHED, f"router: {output.finish_reason}")
-                yield _Piece(text, output.finish_reason, accepted)
-                if output.finished:
-                    return
-        raise RouterError(f"request {freq.request_id}: the flow ended without finishing")
+                for run in runs:
+                    phases = handoff_phases(run.timeline.history)
+                    for spike in self.spikes.observe(run.request.request_id, phases):
+                        log.warning("%s", spike.describe())
 
     async def _stream(
         self,
         request: web.Request,
         job: Job,
+<<<<<<< HEAD
         pieces: AsyncGenerator[_Piece, None],
         output: OutputStream,
         deadline: float,
     ) -> tuple[web.StreamResponse, str]:
         """The SSE response and the request's status for the metrics."""
+=======
+        pieces: AsyncGenerator[Piece, None],
+        runs: list[ChoiceRun],
+    ) -> web.StreamResponse:
+>>>>>>> issue-17
         # Wait for the first token before committing to a 200, so early errors keep a status.
         async with asyncio.timeout_at(deadline):
             first = await anext(pieces)
         resp = web.StreamResponse(headers={"Content-Type": sse.CONTENT_TYPE})
         await resp.prepare(request)
+<<<<<<< HEAD
         if job.kind == "chat":
             role = responses.chat_chunk(job, ChatDelta(role="assistant"))
             await resp.write(sse.encode_event(role))
         piece: _Piece | None = first
         status = "ok"
+=======
+        results = {run.result.index: run.result for run in runs}
+        opened: set[int] = set()
+        piece: Piece | None = first
+>>>>>>> issue-17
         try:
             while piece is not None:
+                if piece.index not in opened:
+                    opened.add(piece.index)
+                    for body in self._opening(job, results[piece.index]):
+                        await resp.write(sse.encode_event(body))
                 if (
                     piece.text
                     or piece.finish_reason is not None
                     or (job.body.return_token_ids and piece.token_ids)
+                    or (job.top_logprobs is not None and piece.token_ids)
                 ):
-                    body = responses.chunk(job, piece.text, piece.finish_reason, piece.token_ids)
+                    lp = responses.output_logprobs(
+                        job, self._texts, piece.token_ids, piece.logprobs,
+                        [len(self._echo_prefix(job, results[piece.index])) + o
+                         for o in piece.text_offsets],
+                    )  # fmt: skip
+                    so_far = (
+                        responses.usage(job, [r.result for r in runs])
+                        if job.body.continuous_usage
+                        else None
+                    )
+                    body = responses.chunk(job, piece.index, piece.text, piece.finish_reason,
+                                           piece.token_ids, lp, so_far)  # fmt: skip
                     await resp.write(sse.encode_event(body))
+<<<<<<< HEAD
                 if piece.finish_reason is not None:
                     break
                 async with asyncio.timeout_at(deadline):
@@ -295,6 +240,10 @@ class OpenAIApi:
         except PdserveError as exc:
             # Headers are out: the failure becomes the stream's last event, never a status.
             status = "no_capacity" if isinstance(exc, NoCapacity) else "error"
+=======
+                piece = await anext(pieces, None)
+        except RouterError as exc:
+>>>>>>> issue-17
             await resp.write(sse.encode_event(error_body(str(exc), "server_error")))
         except (ConnectionResetError, asyncio.CancelledError):
             raise
@@ -305,35 +254,25 @@ class OpenAIApi:
             await resp.write(sse.encode_event(body))
         else:
             if job.body.include_usage:
-                await resp.write(sse.encode_event(responses.usage_chunk(job, output)))
+                chosen = fanout.returned(job, runs)
+                await resp.write(sse.encode_event(responses.usage_chunk(job, chosen)))
         await resp.write(sse.DONE)
         await resp.write_eof()
         return resp, status
 
+    def _opening(self, job: Job, choice: responses.ChoiceResult) -> list[BaseModel]:
+        """What a streamed choice starts with: the role (chat), the echoed prompt (echo)."""
+        if job.kind == "chat":
+            return [responses.chat_chunk(job, choice.index, ChatDelta(role="assistant"))]
+        if not job.echo:
+            return []
+        offsets = responses.prompt_offsets(self._texts, choice.prompt)
+        lp = responses.echo_logprobs(job, self._texts, choice, offsets)
+        return [responses.chunk(job, choice.index, choice.prompt.text, None, None, lp)]
 
-_M = TypeVar("_M", bound=BaseModel)
-
-
-async def _parse(request: web.Request, model: type[_M]) -> _M:
-    raw = await request.read()
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"malformed JSON body: {exc}", None, "invalid_json") from exc
-    if not isinstance(data, dict):
-        raise InvalidRequest("the body must be a JSON object", None, "invalid_json")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        # loc[0] is the top-level field; deeper parts name union members or list indices.
-        param = str(err["loc"][0]) if err["loc"] else None
-        where = ".".join(str(p) for p in err["loc"])
-        raise InvalidRequest(f"{where}: {err['msg']}", param) from exc
-
-
-def _or(value: int | None, default: int) -> int:
-    return default if value is None else value
+    @staticmethod
+    def _echo_prefix(job: Job, choice: responses.ChoiceResult) -> str:
+        return choice.prompt.text if job.echo else ""
 
 
 def _json(body: BaseModel, status: int = 200) -> web.Response:

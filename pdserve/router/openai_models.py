@@ -1,26 +1,47 @@
 """OpenAI-compatible request and response bodies (completions, chat completions, models).
 
-Requests ignore fields pdserve does not implement (clients send many optional ones) but type
-check every field it does; value ranges are checked when the sampling parameters are built
-(`openai_api`), so each error names its field as the OpenAI `param`. `top_k` and `ignore_eos`
-are extensions (as in vLLM). Only `n == 1` is served.
+Requests are strict: every field is typed, nested objects forbid unknown keys, and the
+top-level keys are checked before validation by `field_policy` (an unknown field, or an OpenAI
+field pdserve does not implement, is a 400 naming it). Value ranges are checked when the
+sampling parameters are built (`request_builder`), so each error names its field as the
+OpenAI `param`. Fields marked "extension" are vLLM's (same names, same meaning).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
 
 class StreamOptions(_Request):
-    """`stream_options`: only include_usage is honoured."""
+    """`stream_options`."""
 
+    # End the stream with a chunk carrying the usage and no choices.
     include_usage: bool = False
+    # Extension (vLLM): every chunk also carries the usage so far.
+    continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(_Request):
+    """`response_format.json_schema`."""
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    # pdserve always follows the schema exactly; `strict` changes nothing.
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """`response_format`: plain text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingFields(_Request):
@@ -30,17 +51,40 @@ class SamplingFields(_Request):
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
+    # Extension: keep the k most likely tokens (0 or -1: all).
     top_k: int = 0
-    # Extension (as in vLLM): keep generating past the model's EOS token.
+    # Extension: drop tokens below min_p times the most likely one's probability.
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Extension: > 1 discourages tokens already in the prompt or output.
+    repetition_penalty: float = 1.0
+    # Token id (as a string key, as OpenAI sends it) -> bias in [-100, 100].
+    logit_bias: dict[str, float] | None = None
+    # Extension: EOS and stop tokens cannot end the output before this many tokens.
+    min_tokens: int = 0
+    # Extension: keep generating past the model's EOS token.
     ignore_eos: bool = False
-    # Extension (as in vLLM): each choice also carries the completion's token ids.
+    # Extension: each choice also carries the completion's token ids.
     return_token_ids: bool = False
     seed: int | None = None
     stop: str | list[str] | None = None
+    # Extension: token ids that end the output (the token counts, adds no text).
+    stop_token_ids: list[int] | None = None
+    # Extension: keep the stop string that ended the output in the text.
+    include_stop_str_in_output: bool = False
+    # Extension: decode special tokens into the text too.
+    skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     n: int = 1
+    response_format: ResponseFormat | None = None
+    # Extensions (vLLM's guided decoding): at most one of these or a JSON response_format.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def stop_list(self) -> list[str]:
         """`stop` as a list (a single string is one stop string)."""
@@ -53,19 +97,51 @@ class SamplingFields(_Request):
         """True when a streamed response must end with a usage chunk."""
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        """True when every streamed chunk carries the usage so far."""
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+
+# A prompt: text, token ids, or a batch of either (each its own choices).
+Prompt = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+
 
 class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
-    # Text, or token ids already encoded.
-    prompt: str | list[int]
+    prompt: Prompt
+    # Prepend the prompt to each choice's text (and its logprobs, with `logprobs`).
+    echo: bool = False
+    # Logprobs of each output token and of this many alternatives (0..20).
+    logprobs: int | None = None
+    # Sample this many per prompt and return the `n` with the highest total logprob.
+    best_of: int | None = None
+
+
+class ContentPart(_Request):
+    """A content part as sent; only `{"type": "text", "text": ...}` is served, any other
+    type is refused naming it (`request_builder`)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(_Request):
-    """One message of a chat; `content` is text only."""
+    """One message of a chat; content is text or a list of text parts."""
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str | None:
+        """The content as one string: text parts joined by newlines (as vLLM's string
+        content format does); None when the message has no content. Parts other than text
+        are refused before this is called (`request_builder`)."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content
+        return "\n".join(p.text or "" for p in self.content)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -74,14 +150,60 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     # The newer name of max_tokens; wins when both are given.
     max_completion_tokens: int | None = None
+    # Logprobs of each output token; `top_logprobs` alternatives (0..20) with it.
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    # Extension: end the prompt with the assistant turn's opening (the template's).
+    add_generation_prompt: bool = True
+
+
+class PromptTokensDetails(BaseModel):
+    """`usage.prompt_tokens_details`."""
+
+    # Prompt tokens served from a worker's prefix cache (not computed again).
+    cached_tokens: int
 
 
 class Usage(BaseModel):
-    """Token counts of one request."""
+    """Token counts of one request (summed over its choices and prompts)."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """A completion choice's `logprobs`: one entry per token of the choice's text (the
+    echoed prompt's first token has none)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    # Per token: the `logprobs` most likely tokens (and the chosen one), text -> logprob.
+    top_logprobs: list[dict[str, float] | None]
+    # Per token: where its text starts in the choice's text.
+    text_offset: list[int]
+
+
+class ChatTopLogprob(BaseModel):
+    """One alternative at a position of a chat choice."""
+
+    token: str
+    logprob: float
+    # The token's text as UTF-8 bytes (a token may hold part of a character).
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    """One output token of a chat choice with its alternatives."""
+
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """A chat choice's `logprobs`."""
+
+    content: list[ChatTokenLogprob] | None
 
 
 class CompletionChoice(BaseModel):
@@ -89,7 +211,7 @@ class CompletionChoice(BaseModel):
 
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     # Only with `return_token_ids`: the tokens this choice (or chunk) adds.
     token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
@@ -118,7 +240,7 @@ class ChatChoice(BaseModel):
 
     index: int = 0
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
 
@@ -146,7 +268,7 @@ class ChatChunkChoice(BaseModel):
 
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
 

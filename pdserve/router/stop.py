@@ -16,24 +16,34 @@ from collections.abc import Sequence
 
 
 class StopMatcher:
-    """Feed text deltas; get back the text that is safe to send to the client."""
+    """Feed text deltas; get back the text that is safe to send to the client.
 
-    def __init__(self, stop: Sequence[str]) -> None:
+    `include_stop` (vLLM's include_stop_str_in_output) keeps the stop string in the output.
+    `feed(..., can_stop=False)` (before min_tokens tokens exist) looks for no stop string but
+    still holds back a possible beginning: an occurrence that starts before the min_tokens
+    boundary and ends after it counts, one that ended before it does not (vLLM's semantics).
+    """
+
+    def __init__(self, stop: Sequence[str], include_stop: bool = False) -> None:
         self._stop = tuple(s for s in stop if s)
+        self._include = include_stop
         self._held = ""
         self.stopped = False
 
-    def feed(self, text: str) -> str:
+    def feed(self, text: str, can_stop: bool = True) -> str:
         """Text releasable after `text`; sets `stopped` (and returns the text before the stop
-        string) once one completes. Nothing is released after that."""
+        string, or through it with `include_stop`) once one completes. Nothing is released
+        after that."""
         if self.stopped:
             return ""
         buffer = self._held + text
-        cut = first_stop(buffer, self._stop)
-        if cut is not None:
+        # An occurrence inside the held text alone would have been found when it was fed
+        # (or fell before min_tokens): only those ending in the new text count.
+        hit = first_stop_span(buffer, self._stop, len(self._held)) if can_stop else None
+        if hit is not None:
             self.stopped = True
             self._held = ""
-            return buffer[:cut]
+            return buffer[: hit[1] if self._include else hit[0]]
         keep = held_suffix_len(buffer, self._stop)
         self._held = buffer[len(buffer) - keep :]
         return buffer[: len(buffer) - keep]
@@ -44,16 +54,23 @@ class StopMatcher:
         return "" if self.stopped else held
 
 
-def first_stop(text: str, stop: Sequence[str]) -> int | None:
-    """Start of the first-completing stop string in `text` (see module docstring), or None."""
+def first_stop_span(text: str, stop: Sequence[str], min_end: int = 0) -> tuple[int, int] | None:
+    """(start, end) of the first-completing stop string in `text` ending after `min_end`
+    (see module docstring), or None."""
     best: tuple[int, int] | None = None  # (end, start)
     for s in stop:
-        start = text.find(s)
+        start = text.find(s, max(0, min_end - len(s) + 1))
         if start >= 0:
             key = (start + len(s), start)
             if best is None or key < best:
                 best = key
-    return None if best is None else best[1]
+    return None if best is None else (best[1], best[0])
+
+
+def first_stop(text: str, stop: Sequence[str]) -> int | None:
+    """Start of the first-completing stop string in `text` (see module docstring), or None."""
+    span = first_stop_span(text, stop)
+    return None if span is None else span[0]
 
 
 def held_suffix_len(text: str, stop: Sequence[str]) -> int:

@@ -171,18 +171,13 @@ class EngineLoop:
     async def mark_ready(self, request_id: str, first_token_id: int) -> DeltaQueue:
         """Schedule a request whose remote KV is verified; deltas follow from the 2nd token.
 
-        If the first token already ends the request (a stop token, or max_tokens 1), the
-        request is dropped and the queue gets one finished delta with no tokens.
+        If the first token already ends the request (a stop token, max_tokens 1, a grammar it
+        completes), the request is dropped and the queue gets one finished delta, no tokens.
         """
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
 
         def mark(engine: Engine) -> None:
-            request = engine.get_request(request_id)
-            reason = None
-            if first_token_id in request.stop_token_ids:
-                reason = "stop"
-            elif request.sampling_params.max_tokens <= 1:
-                reason = "length"
+            reason = engine.first_token_finishes(request_id, first_token_id)
             if reason is not None:
                 engine.abort(request_id)
                 self._publish(stream, RequestDelta(request_id, (), True, reason))
@@ -307,5 +302,5 @@ def _info_of(engine: Engine) -> EngineInfo:
         block_bytes=engine.kv_cache.block_bytes,
         dtype=engine.model.dtype,
         num_blocks=engine.block_manager.num_blocks,
-        max_model_len=engine.model.config.max_position_embeddings,
+        max_model_len=engine.max_model_len,
     )

@@ -32,11 +32,12 @@ cannot leave work running on a worker forever.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.logprobs import TokenLogprobs
+from pdserve.engine.sampling_params import GrammarKind, GrammarSpec, SamplingParams
 
 Role = Literal["prefill", "decode", "both"]
 Transport = Literal["nixl", "shm", "tcp"]
@@ -48,42 +49,89 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class GrammarModel(_Model):
+    """Wire form of `GrammarSpec`: a structured-output constraint."""
+
+    kind: Literal["json_schema", "regex", "choice", "grammar"]
+    source: str
+
+
 class SamplingModel(_Model):
-    """Wire form of `SamplingParams` (validated again when converted)."""
+    """Wire form of `SamplingParams` (validated again when converted).
+
+    Everything that shapes a token travels here, so a prefill worker, the decode worker that
+    continues after the KV handoff and any worker a migration lands on sample alike.
+    """
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # [token id, bias] pairs.
+    logit_bias: list[tuple[int, float]] = Field(default_factory=list)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    grammar: GrammarModel | None = None
 
     def to_params(self) -> SamplingParams:
         """The engine's params; raises SamplingParamsError naming a bad field."""
+        # Lists on the wire, tuples in the frozen dataclass.
+        fields: dict[str, Any] = {
+            k: tuple(v) if isinstance(v, list) else v
+            for k, v in self.model_dump(exclude={"grammar"}).items()
+        }
+        grammar = self.grammar
         return SamplingParams(
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            seed=self.seed,
-            stop=tuple(self.stop),
-            stop_token_ids=tuple(self.stop_token_ids),
-            ignore_eos=self.ignore_eos,
+            **fields,
+            grammar=None
+            if grammar is None
+            else GrammarSpec(GrammarKind(grammar.kind), grammar.source),
         )
 
     @classmethod
     def from_params(cls, params: SamplingParams) -> SamplingModel:
+        """The wire form of the engine's params."""
+        fields: dict[str, Any] = {}
+        for name in cls.model_fields:
+            value = getattr(params, name)
+            fields[name] = list(value) if isinstance(value, tuple) else value
+        grammar = params.grammar
+        fields["grammar"] = (
+            None if grammar is None else {"kind": grammar.kind.value, "source": grammar.source}
+        )
+        return cls.model_validate(fields)
+
+
+class LogprobModel(_Model):
+    """Wire form of `TokenLogprobs`: one position's logprob and top alternatives.
+
+    JSON floats round-trip exactly (a float32 value is a float64 without loss, and the
+    encoder writes the shortest repr that reads back the same), so a logprob reaches the
+    router bit for bit."""
+
+    token_id: int
+    logprob: float
+    # The most likely tokens and their logprobs, most likely first.
+    top_token_ids: list[int] = Field(default_factory=list)
+    top_logprobs: list[float] = Field(default_factory=list)
+
+    @classmethod
+    def of(cls, lp: TokenLogprobs) -> LogprobModel:
+        """The wire form of the engine's value."""
         return cls(
-            max_tokens=params.max_tokens,
-            temperature=params.temperature,
-            top_k=params.top_k,
-            top_p=params.top_p,
-            seed=params.seed,
-            stop=list(params.stop),
-            stop_token_ids=list(params.stop_token_ids),
-            ignore_eos=params.ignore_eos,
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top_token_ids=[t for t, _ in lp.top],
+            top_logprobs=[v for _, v in lp.top],
         )
 
 
@@ -225,6 +273,10 @@ class PrefillResult(_Model):
     first_token_id: int
     num_prompt_tokens: int
     num_cached_tokens: int
+    # The first token's logprobs, when the sampling asked for them.
+    first_logprobs: LogprobModel | None = None
+    # Prompt tokens 1.. when the sampling asked for prompt logprobs.
+    prompt_logprobs: list[LogprobModel] | None = None
     # Monotonic-clock nanoseconds on the worker, for the request timeline.
     prefill_start_ns: int
     prefill_end_ns: int
@@ -278,11 +330,20 @@ class TokenEvent(_Model):
     # "stop" or "length" once finished; "error" with `error` set if the worker failed it.
     finish_reason: str | None = None
     error: str | None = None
+<<<<<<< HEAD
     # The error's class (pdserve.errors) when `error` is set, so the router acts on a type,
     # not on words: e.g. "KVValueMismatch", "KVNotReady", "DeadlineExceeded".
     error_type: str | None = None
     # /decode's first line: how the KV came.
     handoff: HandoffInfo | None = None
+=======
+    # One per token in `token_ids` when the sampling asked for logprobs.
+    logprobs: list[LogprobModel] | None = None
+    # On the first event of a request prefilled by this worker that asked for them.
+    prompt_logprobs: list[LogprobModel] | None = None
+    # On the first event with tokens: prompt tokens this worker's prefix cache supplied.
+    num_cached_tokens: int | None = None
+>>>>>>> issue-17
 
 
 class ReleaseRequest(_Model):

@@ -1,10 +1,17 @@
 """An in-process fake worker implementing `pdserve.worker.protocol`, for router tests.
 
 It generates a fixed token script (`tokens[i]` for output token i), logs every call as
+<<<<<<< HEAD
 (path, request_id) in `calls`, and can be told to refuse reservations (503), fail prefills
 (500, retryable or not) or fail generate. Runs on an aiohttp TestServer on loopback, port 0.
 Like a real worker it refuses control calls without the test cluster's signature (401/403),
 counting them in `refused`.
+=======
+(path, request_id) in `calls` (and every sampling it was sent in `samplings`), and can be told
+to refuse reservations (503), fail prefills (500, retryable or not) or fail generate. When the
+sampling asks for logprobs, token i of a request seeded s gets `fake_logprob(s, i)` (prompt
+logprobs likewise). Runs on an aiohttp TestServer on loopback, port 0.
+>>>>>>> issue-17
 """
 
 from __future__ import annotations
@@ -24,7 +31,11 @@ from pdserve.worker.protocol import (
     DecodeRequest,
     ErrorBody,
     GenerateRequest,
+<<<<<<< HEAD
     KVEndpoint,
+=======
+    LogprobModel,
+>>>>>>> issue-17
     PrefillRequest,
     PrefillResult,
     ReleaseRequest,
@@ -33,6 +44,7 @@ from pdserve.worker.protocol import (
     RenewResult,
     Reservation,
     ReserveRequest,
+    SamplingModel,
     TokenEvent,
     WorkerHealth,
 )
@@ -67,6 +79,9 @@ class FakeWorker:
     # The fingerprint it reports (None: the router harness fills in the router's model).
     fingerprint: dict[str, str | int | float] | None = None
     calls: list[tuple[str, str]] = field(default_factory=list)
+    samplings: list[SamplingModel] = field(default_factory=list)
+    # Reported as the prefix cache's share of every prompt.
+    num_cached_tokens: int = 0
     reserved: dict[str, ReserveRequest] = field(default_factory=dict)
     server: TestServer | None = None
     verifier: CallVerifier = field(default_factory=lambda: CallVerifier(HTTP_KEY, time.time))
@@ -154,15 +169,19 @@ class FakeWorker:
         body = PrefillRequest.model_validate_json(await request.read())
         self.calls.append(("/prefill", body.request_id))
         await asyncio.sleep(self.prefill_delay_s)
+        self.samplings.append(body.sampling)
         if self.fail_prefill:
             return _error(500, "prefill blew up", "EngineError", self.fail_prefill_retryable)
+        lp = _logprob(body.sampling, 0, self.tokens[0])
         result = PrefillResult(
             request_id=body.request_id,
             first_token_id=self.tokens[0],
             num_prompt_tokens=len(body.prompt_token_ids),
-            num_cached_tokens=0,
+            num_cached_tokens=self.num_cached_tokens,
             prefill_start_ns=1,
             prefill_end_ns=2,
+            first_logprobs=lp,
+            prompt_logprobs=_prompt_logprobs(body.sampling, body.prompt_token_ids),
         )
         return _json(result)
 
@@ -192,15 +211,17 @@ class FakeWorker:
             await resp.write(event.model_dump_json().encode() + b"\n")
             await resp.write_eof()
             return resp
-        return await self._stream(request, 1, reserved.sampling.max_tokens)
+        return await self._stream(request, 1, reserved.sampling)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = GenerateRequest.model_validate_json(await request.read())
         self.calls.append(("/generate", body.request_id))
+        self.samplings.append(body.sampling)
         if self.refuse_reserve:
             return _error(503, "full", "NoCapacity", retryable=True)
         # A resumed request continues after the tokens it already has.
-        return await self._stream(request, len(body.output_token_ids), body.sampling.max_tokens)
+        prompt = None if body.output_token_ids else body.prompt_token_ids
+        return await self._stream(request, len(body.output_token_ids), body.sampling, prompt)
 
     async def release(self, request: web.Request) -> web.Response:
         body = ReleaseRequest.model_validate_json(await request.read())
@@ -211,8 +232,13 @@ class FakeWorker:
         return _json(ReleaseResult(request_id=body.request_id, num_freed_blocks=int(bool(freed))))
 
     async def _stream(
-        self, request: web.Request, start: int, max_tokens: int
+        self,
+        request: web.Request,
+        start: int,
+        sampling: SamplingModel,
+        prompt: list[int] | None = None,
     ) -> web.StreamResponse:
+        max_tokens = sampling.max_tokens
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)
         for i in range(start, max_tokens):
@@ -224,14 +250,46 @@ class FakeWorker:
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
             last = i == max_tokens - 1
+            token = self.tokens[i % len(self.tokens)]
+            lp = _logprob(sampling, i, token)
             event = TokenEvent(
-                token_ids=[self.tokens[i % len(self.tokens)]],
+                token_ids=[token],
                 finished=last,
                 finish_reason="length" if last else None,
+                logprobs=None if lp is None else [lp],
+                prompt_logprobs=None
+                if i != start or prompt is None
+                else _prompt_logprobs(sampling, prompt),
+                num_cached_tokens=self.num_cached_tokens if i == start else None,
             )
             await resp.write(event.model_dump_json().encode() + b"\n")
         await resp.write_eof()
         return resp
+
+
+def fake_logprob(seed: int | None, index: int) -> float:
+    """The logprob the fake gives output token `index` of a request seeded `seed`."""
+    return -((seed or 0) % 7 + 1) * 0.1 - index * 0.01
+
+
+def _logprob(sampling: SamplingModel, index: int, token: int) -> LogprobModel | None:
+    if sampling.logprobs is None:
+        return None
+    value = fake_logprob(sampling.seed, index)
+    top = [(token, value), (token + 1, value - 1.0), (token + 2, value - 2.0)]
+    top = top[: sampling.logprobs]
+    return LogprobModel(
+        token_id=token,
+        logprob=value,
+        top_token_ids=[t for t, _ in top],
+        top_logprobs=[v for _, v in top],
+    )
+
+
+def _prompt_logprobs(sampling: SamplingModel, prompt: list[int]) -> list[LogprobModel] | None:
+    if sampling.prompt_logprobs is None:
+        return None
+    return [LogprobModel(token_id=t, logprob=-0.5) for t in prompt[1:]]
 
 
 def _json(body: ReleaseResult | Reservation | PrefillResult | WorkerHealth) -> web.Response:

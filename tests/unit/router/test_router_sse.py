@@ -30,9 +30,21 @@ def test_event_framing_and_parse_round_trip() -> None:
 
 def test_request_models() -> None:
     req = CompletionRequest.model_validate(
-        {"model": "m", "prompt": [1, 2], "stop": "x", "logprobs": None, "unknown": 1}
+        {"model": "m", "prompt": [1, 2], "stop": "x", "logprobs": None}
     )
     assert req.stop_list() == ["x"] and req.prompt == [1, 2] and not req.include_usage
+    # Unknown fields are refused (the top-level ones by field_policy first, naming them).
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", "unknown": 1})
+    batch = CompletionRequest.model_validate({"model": "m", "prompt": [[1, 2], [3]]})
+    assert batch.prompt == [[1, 2], [3]]
+    with pytest.raises(ValidationError):  # token ids are integers, not numeric strings
+        CompletionRequest.model_validate({"model": "m", "prompt": [["1"]]})
+    parts = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
+    )  # fmt: skip
+    assert parts.messages[0].text() == "a\nb"
     chat = ChatCompletionRequest.model_validate(
         {"model": "m", "messages": [{"role": "user", "content": "hi"}],
          "stream": True, "stream_options": {"include_usage": True}}

@@ -1,0 +1,146 @@
+"""`--config FILE`: a YAML or JSON mapping of flag names to values, for any pdserve command.
+
+The file holds the same settings as the command line, keyed by flag name without the dashes
+(`max-num-seqs` or `max_num_seqs`). Each value is checked against the flag it names, with the
+flag's own type and choices, before anything starts: an unknown key, a value of the wrong
+type or outside the choices is a `ConfigError` naming the file and the key. The file becomes
+flags placed before the real command line, so a flag given on the command line overrides the
+file (repeatable flags such as `--worker` add to the file's list). Booleans: `true` gives the
+flag (or `--X` of a `--X/--no-X` pair), `false` leaves a plain flag off or gives `--no-X`.
+
+YAML needs PyYAML (a dependency of pdserve); a `.json` file is read with the standard library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pdserve.errors import ConfigError
+
+FLAG = "--config"
+
+
+def load_mapping(path: Path) -> dict[str, Any]:
+    """The file's top-level mapping (JSON by extension, YAML otherwise)."""
+    try:
+        text = path.read_text("utf-8")
+    except OSError as exc:
+        raise ConfigError(f"config: cannot read {path}: {exc}") from exc
+    try:
+        if path.suffix.lower() == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except Exception as exc:  # json and yaml each raise their own error types
+        kind = "JSON" if path.suffix.lower() == ".json" else "YAML"
+        raise ConfigError(f"config {path}: not valid {kind}: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {path}: must be a mapping of flag names to values")
+    return data
+
+
+def _actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    by_flag: dict[str, argparse.Action] = {}
+    for action in parser._actions:
+        for option in action.option_strings:
+            if option.startswith("--"):
+                by_flag[option[2:]] = action
+    return by_flag
+
+
+def to_argv(data: dict[str, Any], parser: argparse.ArgumentParser, source: str) -> list[str]:
+    """The flags `data` stands for; ConfigError naming `source` and the bad key."""
+    actions = _actions(parser)
+    argv: list[str] = []
+    for raw_key, value in data.items():
+        key = str(raw_key).replace("_", "-")
+        action = actions.get(key)
+        if action is None or key in ("config", "help", "ready-file"):
+            raise ConfigError(f"config {source}: unknown key {raw_key!r}")
+        if isinstance(action, argparse.BooleanOptionalAction) and key.startswith("no-"):
+            raise ConfigError(f"config {source}: key {raw_key!r}: write {key[3:]}: false instead")
+        argv += _flag_argv(key, action, value, f"config {source}: key {raw_key!r}")
+    return argv
+
+
+def _flag_argv(key: str, action: argparse.Action, value: Any, where: str) -> list[str]:
+    flag = f"--{key}"
+    if isinstance(action, argparse.BooleanOptionalAction):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return [flag] if value else [f"--no-{key}"]
+    if action.nargs == 0:  # store_true / store_const
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return [flag] if value else []
+    repeat = isinstance(action, argparse._AppendAction) or action.nargs in ("+", "*")
+    values = value if isinstance(value, list) else [value]
+    if not repeat and isinstance(value, list):
+        raise ConfigError(f"{where}: expected one value, got a list")
+    if not values and action.nargs == "+":
+        raise ConfigError(f"{where}: expected at least one value")
+    texts = [_checked(action, v, where) for v in values]
+    if isinstance(action, argparse._AppendAction):
+        return [part for text in texts for part in (flag, text)]
+    return [flag, *texts]
+
+
+def _checked(action: argparse.Action, value: Any, where: str) -> str:
+    if isinstance(value, (dict, list)) or value is None:
+        raise ConfigError(f"{where}: expected a single value, got {value!r}")
+    if isinstance(value, bool):
+        raise ConfigError(f"{where}: expected a value for {action.dest}, got {value!r}")
+    text = str(value)
+    convert = action.type if callable(action.type) else str
+    try:
+        converted = convert(text)
+    except (argparse.ArgumentTypeError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc or 'bad value'} (got {value!r})") from None
+    if action.choices is not None and converted not in action.choices:
+        choices = ", ".join(str(c) for c in action.choices)
+        raise ConfigError(f"{where}: {value!r} is not one of {choices}")
+    return text
+
+
+def add_config_flag(parser: argparse.ArgumentParser) -> None:
+    """Declare `--config FILE` on `parser` (read by `expand`)."""
+    parser.add_argument(
+        FLAG,
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="YAML or JSON file of flag values; flags on the command line override it",
+    )
+
+
+def expand(argv: Sequence[str], parser: argparse.ArgumentParser) -> list[str]:
+    """`argv` with the `--config FILE` it names turned into flags placed first."""
+    argv = list(argv)
+    paths: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == FLAG and i + 1 < len(argv):
+            paths.append(argv[i + 1])
+            i += 2
+            continue
+        if arg.startswith(FLAG + "="):
+            paths.append(arg.split("=", 1)[1])
+        else:
+            rest.append(arg)
+        i += 1
+    if len(paths) > 1:
+        raise ConfigError(f"config: give {FLAG} once, got {len(paths)}")
+    if not paths:
+        return rest
+    path = Path(paths[0])
+    return to_argv(load_mapping(path), parser, str(path)) + rest

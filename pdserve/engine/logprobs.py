@@ -1,0 +1,34 @@
+"""Log-probabilities of tokens, from the raw logits the sampler was given.
+
+As vLLM's default (`logprobs_mode="raw_logprobs"`): log_softmax, in float32, of the model's
+logits before temperature, penalties, bias, grammar or top-k/top-p, so a logprob is the
+model's own belief and the same whichever sampling parameters drew the token. With the
+engine's batch-invariant forward (`model.batch_invariant`) the logits, and so these values,
+are bitwise the same for a position however the step was batched or the KV computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One position: the chosen token's logprob and the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    # (token id, logprob), most likely first; as many as the request asked for.
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
+    """Logprobs of row `logits` ([vocab] float32) for `token_id` and the `num_top` best."""
+    lp = torch.log_softmax(logits, dim=-1)
+    top: tuple[tuple[int, float], ...] = ()
+    if num_top > 0:
+        values, ids = torch.topk(lp, min(num_top, lp.numel()))
+        top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprobs(token_id, float(lp[token_id]), top)

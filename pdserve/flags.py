@@ -1,0 +1,135 @@
+"""Flags shared by several commands: the router's serving and policy flags, the engine's.
+
+`pdserve router` and `pdserve worker` declare them; `pdserve up` declares both sets and passes
+the values on to its children (`cli.forwarded`), so the cluster it starts takes every flag
+the separate processes take. Light on purpose (no torch, no aiohttp): `pdserve --help` and
+`pdserve status` import it.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from pdserve.config import EngineConfig
+from pdserve.router.config import (
+    RECOVERY_STEPS,
+    ROUTINGS,
+    AffinityConfig,
+    BreakerConfig,
+    RecoveryConfig,
+)
+
+_BREAKER = BreakerConfig()
+_RECOVERY = RecoveryConfig()
+_AFFINITY = AffinityConfig()
+_ENGINE_DEFAULTS = EngineConfig()
+
+
+def add_policy_flags(p: argparse.ArgumentParser, max_model_len: bool = True) -> None:
+    """The router's serving, placement and recovery flags (`pdserve up` takes them too, with
+    `--max-model-len` from the engine's flags)."""
+    s = p.add_argument_group("serving (OpenAI API)")
+    s.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="names clients pass as `model` (default: the model folder's name)",
+    )
+    if max_model_len:
+        s.add_argument(
+            "--max-model-len",
+            type=int,
+            default=None,
+            help="longest prompt + output in tokens (default: the model's max_position_embeddings)",
+        )
+    s.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template, or a file holding one, replacing the tokenizer's",
+    )
+    s.add_argument(
+        "--allow-unknown-fields",
+        action="store_true",
+        help="drop (and log) unknown request fields instead of answering 400",
+    )
+    s.add_argument("--request-timeout-s", type=float, default=600.0, help="per-request deadline")
+    s.add_argument(
+        "--lease-ttl-s", type=float, default=30.0, help="decode reservation / prefill KV lease"
+    )
+    b = p.add_argument_group("circuit breaker (KV path failures -> colocated)")
+    b.add_argument("--no-breaker", action="store_true", help="never switch mode automatically")
+    b.add_argument("--breaker-window", type=int, default=_BREAKER.window)
+    b.add_argument("--breaker-min-samples", type=int, default=_BREAKER.min_samples)
+    b.add_argument("--breaker-failure-rate", type=float, default=_BREAKER.failure_rate)
+    b.add_argument("--breaker-cooldown-s", type=float, default=_BREAKER.cooldown_s)
+    a = p.add_argument_group("placement (prefix and session affinity against load)")
+    a.add_argument("--routing", choices=ROUTINGS, default=_AFFINITY.routing)
+    a.add_argument(
+        "--prefix-weight",
+        type=float,
+        default=_AFFINITY.prefix_weight,
+        help="cost of one prompt block the worker does not hold",
+    )
+    a.add_argument(
+        "--load-weight",
+        type=float,
+        default=_AFFINITY.load_weight,
+        help="cost of one request already on the worker",
+    )
+    a.add_argument(
+        "--local-prefill-threshold",
+        type=int,
+        default=_AFFINITY.local_prefill_threshold,
+        help="uncached prompt tokens a decode worker holding the rest prefills itself (0: never)",
+    )
+    a.add_argument("--max-sessions", type=int, default=_AFFINITY.max_sessions)
+    r = p.add_argument_group("recovery after a failed handoff")
+    r.add_argument(
+        "--recovery",
+        default=",".join(_RECOVERY.steps),
+        help=f"ordered steps from {','.join(RECOVERY_STEPS)}, or 'none'",
+    )
+    r.add_argument("--transfer-attempts", type=int, default=_RECOVERY.transfer_attempts)
+    r.add_argument("--max-reprefills", type=int, default=_RECOVERY.max_reprefills)
+    r.add_argument("--max-migrations", type=int, default=_RECOVERY.max_migrations)
+    r.add_argument("--queue-timeout-s", type=float, default=_RECOVERY.queue_timeout_s)
+    r.add_argument("--max-queued", type=int, default=_RECOVERY.max_queued)
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """The engine's scheduling flags (`pdserve up` takes them too and passes them on)."""
+    e = p.add_argument_group("engine")
+    e.add_argument(
+        "--max-num-batched-tokens", type=int, default=_ENGINE_DEFAULTS.max_num_batched_tokens
+    )
+    e.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=_ENGINE_DEFAULTS.max_num_seqs,
+        help="requests running at once",
+    )
+    e.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + output in tokens (default: the model's max_position_embeddings)",
+    )
+    e.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=_ENGINE_DEFAULTS.enable_prefix_caching,
+        help="reuse KV blocks of earlier requests with the same prefix",
+    )
+    e.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=_ENGINE_DEFAULTS.enable_chunked_prefill,
+        help="split long prompts into chunks that share steps with decoding",
+    )
+    e.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=_ENGINE_DEFAULTS.batch_invariant,
+        help="bitwise-reproducible logits whatever the batch (costs throughput; see README)",
+    )

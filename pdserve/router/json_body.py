@@ -1,0 +1,37 @@
+"""A client's JSON body as a dict, and as a validated model: each failure a 400 naming it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from pdserve.errors import InvalidRequest
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def read_object(request: web.Request) -> dict[str, Any]:
+    """The body as a JSON object; InvalidRequest (code invalid_json) otherwise."""
+    raw = await request.read()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"malformed JSON body: {exc}", None, "invalid_json") from exc
+    if not isinstance(data, dict):
+        raise InvalidRequest("the body must be a JSON object", None, "invalid_json")
+    return data
+
+
+def validate(model: type[M], data: dict[str, Any]) -> M:
+    """`data` as `model`; InvalidRequest whose `param` is the top-level field at fault."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        # loc[0] is the top-level field; deeper parts name union members or list indices.
+        param = str(err["loc"][0]) if err["loc"] else None
+        where = ".".join(str(p) for p in err["loc"])
+        raise InvalidRequest(f"{where}: {err['msg']}", param) from exc

@@ -1,0 +1,121 @@
+"""The official `openai` client against real workers: every feature gives the same text and
+the same logprobs (bitwise, float32 through JSON) colocated, disaggregated, streamed or not,
+and after a re-prefill; the client parses every response. (Migration after a real worker kill:
+tests/chaos/test_feature_migration.py.)
+
+One cluster for the module: two prefill workers, two `both` workers, and two routers over
+them, one with a router fault that loses the first prefill of every other request (so the
+request re-prefills on the other prefill worker). Local suffix prefill is off, so every
+disaggregated request takes the KV-transfer path.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import openai
+import pytest
+from openai_cases import CASES, check_valid, client, run_case
+from worker_proc import launch_worker, router_process, wait_ready, worker_processes
+
+WORKER_ARGS = ("--kv-cache-bytes", str(32 << 20))
+LOSE_HALF_THE_PREFILLS = [
+    "--fault",
+    "router.after_prefill:close:probability=0.5",
+    "--fault-seed",
+    "3",
+]
+
+
+def post(url: str, body: object) -> dict[str, object]:
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        data: dict[str, object] = json.loads(resp.read())
+        return data
+
+
+def get(url: str) -> dict[str, object]:
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        data: dict[str, object] = json.loads(resp.read())
+        return data
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, str]]:
+    """(plain router URL, router URL whose prefills are lost once in two)."""
+    workdir = tmp_path_factory.mktemp("openai-cluster")
+    with worker_processes() as handles, ExitStack() as stack:
+        for role in ("prefill", "prefill", "both", "both"):
+            handles.append(
+                launch_worker(role, workdir, model=tiny_model_path, extra_args=WORKER_ARGS)
+            )
+        for handle in handles:
+            wait_ready(handle)
+        urls = [h.url for h in handles]
+        common = ["--local-prefill-threshold", "0"]
+        (workdir / "plain").mkdir()
+        (workdir / "faulty").mkdir()
+        plain = stack.enter_context(
+            router_process(workdir / "plain", tiny_model_path, urls, extra_args=common)
+        )
+        faulty = stack.enter_context(
+            router_process(
+                workdir / "faulty",
+                tiny_model_path,
+                urls,
+                extra_args=[*common, *LOSE_HALF_THE_PREFILLS],
+            )
+        )
+        yield plain, faulty
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_feature_is_identical_across_paths(cluster: tuple[str, str], name: str) -> None:
+    plain, faulty = cluster
+    reference = run_case(plain, name, stream=False)
+    check_valid(name, reference)
+    assert run_case(plain, name, stream=True) == reference
+    post(f"{plain}/admin/mode", {"mode": "colocated"})
+    try:
+        assert run_case(plain, name, stream=False) == reference
+        assert run_case(plain, name, stream=True) == reference
+    finally:
+        post(f"{plain}/admin/mode", {"mode": "disagg"})
+    # Through the router that loses prefills: some requests re-prefill; every answer is the same.
+    for stream in (False, True, False):
+        assert run_case(faulty, name, stream=stream) == reference
+
+
+def test_reprefills_really_happened(cluster: tuple[str, str]) -> None:
+    _, faulty = cluster
+    metrics = urllib.request.urlopen(f"{faulty}/metrics", timeout=10).read().decode()
+    retried = [ln for ln in metrics.splitlines()
+               if ln.startswith("pdserve_router_retries_total") and "prefill" in ln]  # fmt: skip
+    assert retried and any(float(ln.rsplit(" ", 1)[1]) > 0 for ln in retried), metrics
+
+
+def test_client_errors_are_openai_errors(cluster: tuple[str, str]) -> None:
+    plain, _ = cluster
+    api = client(plain)
+    with pytest.raises(openai.BadRequestError) as info:
+        api.chat.completions.create(
+            model="tiny-v1",
+            messages=[{"role": "user", "content": "x"}],
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}},
+        )  # fmt: skip
+    assert info.value.body["param"] == "response_format"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as info:
+        api.completions.create(model="tiny-v1", prompt="x", suffix="y")
+    assert info.value.body["param"] == "suffix"  # type: ignore[index]
+    models = api.models.list()
+    assert [m.id for m in models.data] == ["tiny-v1"]
+    assert get(f"{plain}/version")["version"]

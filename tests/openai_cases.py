@@ -1,0 +1,172 @@
+"""Requests exercising every sampling and output feature, sent with the official `openai`
+client, and their outcome in a comparable form (text, each token's logprob and alternatives,
+finish reason), for tests that compare colocated, disaggregated, re-prefilled and migrated
+runs. Logprobs are compared as floats parsed from JSON: equal only if the worker's float32
+values were equal bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import openai
+
+MODEL = "tiny-v1"
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "enum": ["ada", "bob", "cy"]},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+
+# (kind, keyword arguments of client.<kind>.create); extra_body carries vLLM's extensions.
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "greedy-penalties-echo": (
+        "completion",
+        {
+            "prompt": "Once upon a time there was",
+            "max_tokens": 24,
+            "temperature": 0,
+            "logprobs": 5,
+            "echo": True,
+            "presence_penalty": 0.7,
+            "frequency_penalty": 0.4,
+            "logit_bias": {"50": 3.0, "51": -100},
+            "extra_body": {"repetition_penalty": 1.3, "min_tokens": 20, "ignore_eos": True},
+        },
+    ),
+    "seeded-n2-minp": (
+        "completion",
+        {
+            "prompt": ["The quick brown fox", "A long way from home"],
+            "max_tokens": 20,
+            "temperature": 0.9,
+            "top_p": 0.95,
+            "seed": 1234,
+            "n": 2,
+            "logprobs": 2,
+            "extra_body": {"min_p": 0.02, "top_k": 50, "ignore_eos": True},
+        },
+    ),
+    "json-schema": (
+        "chat",
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "Describe a person"}]}
+            ],
+            "max_tokens": 60,
+            "temperature": 1.0,
+            "seed": 7,
+            "logprobs": True,
+            "top_logprobs": 3,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "person", "schema": SCHEMA},
+            },
+            "frequency_penalty": 0.2,
+        },
+    ),
+    "guided-choice": (
+        "chat",
+        {
+            "messages": [{"role": "user", "content": "yes or no?"}],
+            "max_tokens": 10,
+            "temperature": 0.7,
+            "seed": 3,
+            "logprobs": True,
+            "extra_body": {"guided_choice": ["absolutely yes", "certainly not"]},
+        },
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One choice as the client saw it."""
+
+    index: int
+    text: str
+    finish_reason: str | None
+    # Per token: (token text, logprob, sorted alternatives) — from the logprobs object.
+    logprobs: tuple[tuple[str, float | None, tuple[tuple[str, float], ...]], ...]
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _completion_logprobs(lp: Any) -> tuple[Any, ...]:
+    if lp is None:
+        return ()
+    tops = lp.top_logprobs or [None] * len(lp.tokens)
+    return tuple(
+        (tok, value, tuple(sorted((top or {}).items())))
+        for tok, value, top in zip(lp.tokens, lp.token_logprobs, tops, strict=True)
+    )
+
+
+def _chat_logprobs(lp: Any) -> tuple[Any, ...]:
+    if lp is None or lp.content is None:
+        return ()
+    return tuple(
+        (c.token, c.logprob, tuple(sorted((t.token, t.logprob) for t in c.top_logprobs)))
+        for c in lp.content
+    )
+
+
+def run_case(
+    url: str, name: str, stream: bool, on_chunk: Callable[[int], None] | None = None
+) -> list[Outcome]:
+    """Send case `name` (streamed or not) and return its choices in index order."""
+    kind, kwargs = CASES[name]
+    api = client(url)
+    create = api.completions.create if kind == "completion" else api.chat.completions.create
+    if not stream:
+        resp = create(model=MODEL, **kwargs)
+        out = []
+        for c in resp.choices:
+            if kind == "completion":
+                out.append(
+                    Outcome(c.index, c.text, c.finish_reason, _completion_logprobs(c.logprobs))
+                )
+            else:
+                out.append(Outcome(c.index, c.message.content or "", c.finish_reason,
+                                   _chat_logprobs(c.logprobs)))  # fmt: skip
+        return sorted(out, key=lambda o: o.index)
+    texts: dict[int, str] = {}
+    finish: dict[int, str | None] = {}
+    lps: dict[int, list[Any]] = {}
+    for n, chunk in enumerate(create(model=MODEL, stream=True, **kwargs)):
+        for c in chunk.choices:
+            texts.setdefault(c.index, "")
+            lps.setdefault(c.index, [])
+            if kind == "completion":
+                texts[c.index] += c.text
+                lps[c.index] += _completion_logprobs(c.logprobs)
+            else:
+                texts[c.index] += c.delta.content or ""
+                lps[c.index] += _chat_logprobs(c.logprobs)
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+        if on_chunk is not None:
+            on_chunk(n)
+    return [Outcome(i, texts[i], finish.get(i), tuple(lps[i])) for i in sorted(texts)]
+
+
+def check_valid(name: str, outcomes: list[Outcome]) -> None:
+    """What each case promises whatever path served it."""
+    for o in outcomes:
+        assert o.finish_reason in ("stop", "length"), o
+        if name == "json-schema":
+            value = json.loads(o.text)
+            assert value["name"] in ("ada", "bob", "cy") and 0 <= value["age"] <= 99
+        if name == "guided-choice":
+            assert o.text in ("absolutely yes", "certainly not"), o.text
+        assert o.logprobs, "every case asks for logprobs"
