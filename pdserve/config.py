@@ -53,7 +53,7 @@ class EngineConfig:
     # Compute every token on canonical shapes (`model.batch_invariant`): its logits, and so
     # its logprobs and sampled token, are bitwise the same whatever else the step computes,
     # however the prompt was chunked or cached, and after a migration's recompute.
-    batch_invariant: bool = True
+    batch_invariant: bool = False
     # Longest prompt + output a request may have; None: the model's max_position_embeddings
     # (a larger value is refused when the model loads).
     max_model_len: int | None = None

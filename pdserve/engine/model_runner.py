@@ -64,7 +64,7 @@ def _row(request: Request) -> SamplingRow:
 class ModelRunner:
     """Runs the model for one scheduled step."""
 
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, batch_invariant: bool = True) -> None:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, batch_invariant: bool = False) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.batch_invariant = batch_invariant

@@ -318,9 +318,7 @@ async def create_app(config: RouterConfig) -> web.Application:
     if template is not None:
         tokenizer.chat_template = template
     max_model_len = load_config(config.model).max_position_embeddings
-<<<<<<< HEAD
     model_fields = router_model_fields(config.model, tokenizer)
-=======
     if config.max_model_len is not None:
         if config.max_model_len > max_model_len:
             raise ConfigError(
@@ -328,7 +326,6 @@ async def create_app(config: RouterConfig) -> web.Application:
                 f" max_position_embeddings {max_model_len}"
             )
         max_model_len = config.max_model_len
->>>>>>> issue-17
     membership = open_membership(config.discovery, config.workers)
     session = aiohttp.ClientSession()
     client = WorkerClient(session, ClientTimeouts(), key=config.http_key)

@@ -255,10 +255,10 @@ class DisaggFlow:
             finish = self._first_token_finishes(request, result.first_token_id)
             if finish is not None:
                 timeline.advance(S.FINISHED, f"first token: {finish}")
-                yield TokenChunk([result.first_token_id], finish)
+                yield TokenChunk.of_prefill(result, finish)
                 return
             run.sent.append(result.first_token_id)
-            yield TokenChunk([result.first_token_id])
+            yield TokenChunk.of_prefill(result)
         # A re-prefill after the first token was sent draws that same token (same seed and
         # index): decoding continues after the token the client has.
         async with contextlib.aclosing(self._decode(run, leg)) as chunks:
@@ -332,10 +332,10 @@ class DisaggFlow:
                         if event.finished:
                             run.leg = None  # finished: the worker freed everything itself
                             timeline.advance(S.FINISHED, event.finish_reason or "")
-                            yield TokenChunk(event.token_ids, event.finish_reason or "stop")
+                            yield TokenChunk.of_event(event, event.finish_reason or "stop")
                             return
                         if event.token_ids:
-                            yield TokenChunk(event.token_ids)
+                            yield TokenChunk.of_event(event)
             raise WorkerUnreachable(leg.decode_url, "decode stream ended early")
         except RouterError as exc:
             run.leg = None
@@ -411,7 +411,7 @@ class DisaggFlow:
                             timeline.advance(S.FINISHED, event.finish_reason or "")
                             yield TokenChunk.of_event(event, event.finish_reason or "stop")
                             return
-                        yield TokenChunk(event.token_ids)
+                        yield TokenChunk.of_event(event)
             raise WorkerUnreachable(url, "stream ended before finished")
         except RouterError as exc:
             if isinstance(exc, WorkerUnreachable):

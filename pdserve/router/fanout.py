@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
@@ -78,8 +79,10 @@ def start(
     dispatcher: Dispatcher,
     tokenizer: Tokenizer,
     session_id: str | None,
+    deadline: float = math.inf,
 ) -> list[ChoiceRun]:
-    """Begin every sample of `job` (a timeline each); nothing runs until `pieces`."""
+    """Begin every sample of `job` (a timeline each, the request's `deadline` in loop time
+    each); nothing runs until `pieces`."""
     runs = []
     num_samples = len(job.prompts) * job.best_of
     seed = job.sampling.seed or 0
@@ -98,7 +101,7 @@ def start(
                 include_stop_str_in_output=b.include_stop_str_in_output,
                 max_tokens=0 if job.echo_only else None,
             )
-            request = FlowRequest(rid, prompt.token_ids, sampling, timeline, session_id)
+            request = FlowRequest(rid, prompt.token_ids, sampling, timeline, session_id, deadline)
             index = i * job.n + j if job.best_of == job.n else k
             runs.append(ChoiceRun(flow, request, ChoiceResult(index, prompt, output)))
     return runs

@@ -20,11 +20,8 @@ from pathlib import Path
 
 from aiohttp import web
 
-<<<<<<< HEAD
 from pdserve.auth.secret import load_secret
-=======
 from pdserve.config_file import add_config_flag, expand
->>>>>>> issue-17
 from pdserve.errors import PdserveError
 from pdserve.flags import add_policy_flags
 from pdserve.router.app import create_app
@@ -74,45 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1000,
         help="recent requests whose timelines /debug/requests/{id} keeps",
     )
-<<<<<<< HEAD
-    b = p.add_argument_group("circuit breaker (KV path failures -> colocated)")
-    b.add_argument("--no-breaker", action="store_true", help="never switch mode automatically")
-    b.add_argument("--breaker-window", type=int, default=_BREAKER.window)
-    b.add_argument("--breaker-min-samples", type=int, default=_BREAKER.min_samples)
-    b.add_argument("--breaker-failure-rate", type=float, default=_BREAKER.failure_rate)
-    b.add_argument("--breaker-cooldown-s", type=float, default=_BREAKER.cooldown_s)
-    a = p.add_argument_group("placement (prefix and session affinity against load)")
-    a.add_argument("--routing", choices=ROUTINGS, default=_AFFINITY.routing)
-    a.add_argument(
-        "--prefix-weight",
-        type=float,
-        default=_AFFINITY.prefix_weight,
-        help="cost of one prompt block the worker does not hold",
-    )
-    a.add_argument(
-        "--load-weight",
-        type=float,
-        default=_AFFINITY.load_weight,
-        help="cost of one request already on the worker",
-    )
-    a.add_argument(
-        "--local-prefill-threshold",
-        type=int,
-        default=_AFFINITY.local_prefill_threshold,
-        help="uncached prompt tokens a decode worker holding the rest prefills itself (0: never)",
-    )
-    a.add_argument("--max-sessions", type=int, default=_AFFINITY.max_sessions)
-    r = p.add_argument_group("recovery after a failed handoff")
-    r.add_argument(
-        "--recovery",
-        default=",".join(_RECOVERY.steps),
-        help=f"ordered steps from {','.join(RECOVERY_STEPS)}, or 'none'",
-    )
-    r.add_argument("--transfer-attempts", type=int, default=_RECOVERY.transfer_attempts)
-    r.add_argument("--max-reprefills", type=int, default=_RECOVERY.max_reprefills)
-    r.add_argument("--max-migrations", type=int, default=_RECOVERY.max_migrations)
-    r.add_argument("--queue-timeout-s", type=float, default=_RECOVERY.queue_timeout_s)
-    r.add_argument("--max-queued", type=int, default=_RECOVERY.max_queued)
+    add_policy_flags(p)
     sec = p.add_argument_group("security")
     sec.add_argument(
         "--cluster-secret-file",
@@ -125,9 +84,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="talk to workers started with --insecure-no-auth (no credential)",
     )
-=======
-    add_policy_flags(p)
->>>>>>> issue-17
     return p
 
 
@@ -141,13 +97,9 @@ def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
         model = default_model_path()
     else:
         model = Path(args.model)
-<<<<<<< HEAD
-    return RouterConfig(
+    config = RouterConfig(
         cluster_secret=load_secret(args.cluster_secret_file),
         insecure_no_auth=args.insecure_no_auth,
-=======
-    config = RouterConfig(
->>>>>>> issue-17
         workers=tuple(args.worker),
         discovery=args.discovery,
         faults=tuple(args.fault),

@@ -10,7 +10,7 @@ A streamed response's headers are sent only after the first token arrives, so "n
 and worker-side refusals are still proper HTTP statuses; anything that fails after that (a
 worker fault, the request's deadline) is sent as a final `data: {"error": ...}` event followed
 by `data: [DONE]` and a clean end of stream, never a status line written into the body. A
-client that disconnects (streaming or not) cancels its handler, and closing the flow releases
+client that disconnects (streaming or not) cancels its handler, and closing the flows releases
 what the workers hold. Every request has one deadline (`--request-timeout-s`) that bounds it
 end to end and that every worker call is told about.
 """
@@ -26,20 +26,7 @@ from collections.abc import AsyncGenerator
 from aiohttp import web
 from pydantic import BaseModel
 
-<<<<<<< HEAD
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.errors import (
-    InvalidRequest,
-    ModelConfigError,
-    NoCapacity,
-    PdserveError,
-    RouterError,
-    SamplingParamsError,
-    WorkerCallError,
-)
-=======
-from pdserve.errors import NoCapacity, RouterError, WorkerCallError
->>>>>>> issue-17
+from pdserve.errors import NoCapacity, PdserveError, WorkerCallError
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.observability.phases import handoff_phases
 from pdserve.observability.spikes import SpikeDetector
@@ -112,39 +99,21 @@ class OpenAIApi:
 
     async def _serve(self, request: web.Request, job: Job) -> web.StreamResponse:
         session_id = request.headers.get("x-session-id") or job.body.user
-<<<<<<< HEAD
         deadline = asyncio.get_running_loop().time() + self._config.request_timeout_s
-        freq = FlowRequest(
-            job.request_id, job.prompt_token_ids, job.sampling, timeline, session_id, deadline
-        )
-        status = "error"
-        try:
-            async with contextlib.aclosing(self._pieces(flow, freq, output)) as pieces:
-                if job.body.stream:
-                    resp, status = await self._stream(request, job, pieces, output, deadline)
-                else:
-                    async with asyncio.timeout_at(deadline):
-                        text = "".join([p.text async for p in pieces])
-                    resp = _json(responses.whole(job, text, output))
-                    status = "ok"
-=======
-        runs = fanout.start(job, self._dispatcher, self._tokenizer, session_id)
+        runs = fanout.start(job, self._dispatcher, self._tokenizer, session_id, deadline)
         mode = runs[0].timeline.mode
         status = "error"
         try:
-            async with (
-                asyncio.timeout(self._config.request_timeout_s),
-                contextlib.aclosing(fanout.pieces(runs)) as pieces,
-            ):
+            async with contextlib.aclosing(fanout.pieces(runs)) as pieces:
                 if job.body.stream:
-                    resp = await self._stream(request, job, pieces, runs)
+                    resp, status = await self._stream(request, job, pieces, runs, deadline)
                 else:
-                    async for _ in pieces:
-                        pass  # each choice accumulates its own result
+                    async with asyncio.timeout_at(deadline):
+                        async for _ in pieces:
+                            pass  # each choice accumulates its own result
                     chosen = fanout.returned(job, runs)
                     resp = _json(responses.whole(job, chosen, self._texts))
-            status = "ok"
->>>>>>> issue-17
+                    status = "ok"
             return resp
         except NoCapacity:
             status = "no_capacity"
@@ -158,8 +127,9 @@ class OpenAIApi:
             status = "timeout"
             raise
         except (ConnectionResetError, asyncio.CancelledError):
-            status = "cancelled"  # the client went away: the flow was closed, holds released
-            timeline.fail("client disconnected")
+            status = "cancelled"  # the client went away: the flows were closed, holds released
+            for run in runs:
+                run.timeline.fail("client disconnected")
             raise
         finally:
             self._metrics.count_request(mode, status)
@@ -173,33 +143,20 @@ class OpenAIApi:
         self,
         request: web.Request,
         job: Job,
-<<<<<<< HEAD
-        pieces: AsyncGenerator[_Piece, None],
-        output: OutputStream,
+        pieces: AsyncGenerator[Piece, None],
+        runs: list[ChoiceRun],
         deadline: float,
     ) -> tuple[web.StreamResponse, str]:
         """The SSE response and the request's status for the metrics."""
-=======
-        pieces: AsyncGenerator[Piece, None],
-        runs: list[ChoiceRun],
-    ) -> web.StreamResponse:
->>>>>>> issue-17
         # Wait for the first token before committing to a 200, so early errors keep a status.
         async with asyncio.timeout_at(deadline):
             first = await anext(pieces)
         resp = web.StreamResponse(headers={"Content-Type": sse.CONTENT_TYPE})
         await resp.prepare(request)
-<<<<<<< HEAD
-        if job.kind == "chat":
-            role = responses.chat_chunk(job, ChatDelta(role="assistant"))
-            await resp.write(sse.encode_event(role))
-        piece: _Piece | None = first
-        status = "ok"
-=======
         results = {run.result.index: run.result for run in runs}
         opened: set[int] = set()
         piece: Piece | None = first
->>>>>>> issue-17
+        status = "ok"
         try:
             while piece is not None:
                 if piece.index not in opened:
@@ -225,25 +182,17 @@ class OpenAIApi:
                     body = responses.chunk(job, piece.index, piece.text, piece.finish_reason,
                                            piece.token_ids, lp, so_far)  # fmt: skip
                     await resp.write(sse.encode_event(body))
-<<<<<<< HEAD
-                if piece.finish_reason is not None:
-                    break
                 async with asyncio.timeout_at(deadline):
                     piece = await anext(pieces, None)
         except TimeoutError:
             status = "timeout"
             message = f"request timed out after {self._config.request_timeout_s} s"
-            job_timeline = self._dispatcher.timeline(job.request_id)
-            if job_timeline is not None:
-                job_timeline.fail(message)
+            for run in runs:
+                run.timeline.fail(message)
             await resp.write(sse.encode_event(error_body(message, "timeout", code="timeout")))
         except PdserveError as exc:
             # Headers are out: the failure becomes the stream's last event, never a status.
             status = "no_capacity" if isinstance(exc, NoCapacity) else "error"
-=======
-                piece = await anext(pieces, None)
-        except RouterError as exc:
->>>>>>> issue-17
             await resp.write(sse.encode_event(error_body(str(exc), "server_error")))
         except (ConnectionResetError, asyncio.CancelledError):
             raise

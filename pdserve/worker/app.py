@@ -198,66 +198,6 @@ class WorkerAPI:
             )
         return self.outbox
 
-<<<<<<< HEAD
-=======
-    async def _stream(
-        self, queue: DeltaQueue, response: web.StreamResponse, request_id: str = ""
-    ) -> None:
-        first = True
-        while True:
-            delta = await queue.get()
-            if first and delta.new_token_ids:
-                first = False
-                self.events.record(request_id, "first_token")
-            if delta.finished:
-                self.events.record(request_id, "finished", delta.finish_reason or "")
-            token_ids = list(delta.new_token_ids)
-            logprobs = [LogprobModel.of(lp) for lp in delta.logprobs]
-            if self.faults is not None:
-                token_ids, logprobs = await self._token_faults(token_ids, logprobs, response)
-            error = "the engine failed this request" if delta.finish_reason == "error" else None
-            event = TokenEvent(
-                token_ids=token_ids,
-                finished=delta.finished,
-                finish_reason=delta.finish_reason,
-                error=error,
-                logprobs=logprobs or None,
-                prompt_logprobs=None
-                if delta.prompt_logprobs is None
-                else [LogprobModel.of(lp) for lp in delta.prompt_logprobs],
-                num_cached_tokens=delta.num_cached_tokens if delta.new_token_ids else None,
-            )
-            await response.write(event.model_dump_json().encode() + b"\n")
-            if delta.finished:
-                return
-
-    async def _token_faults(
-        self, token_ids: list[int], logprobs: list[LogprobModel], response: web.StreamResponse
-    ) -> tuple[list[int], list[LogprobModel]]:
-        """The `worker.decode_tokens` site, one hit per token, fired before the token is
-        written: tokens ahead of a firing go out first. Returns the tokens still to write (and
-        their logprobs, if any)."""
-        assert self.faults is not None
-        written = 0
-        for i in range(len(token_ids)):
-            rule = self.faults.fire(FaultSite.WORKER_DECODE_TOKENS)
-            if rule is None:
-                continue
-            if i > written:
-                event = TokenEvent(
-                    token_ids=token_ids[written:i], logprobs=logprobs[written:i] or None
-                )
-                await response.write(event.model_dump_json().encode() + b"\n")
-                written = i
-            await perform(rule)
-        return token_ids[written:], logprobs[written:]
-
-    async def _open_stream(self, request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": NDJSON})
-        await response.prepare(request)
-        return response
-
->>>>>>> issue-17
     # ---- endpoints -------------------------------------------------------------------------
 
     async def reserve(self, request: web.Request) -> web.Response:

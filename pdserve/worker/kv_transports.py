@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from pdserve.errors import ConfigError, TransportUnavailable
 from pdserve.transfer.nixl_transport import NixlConfig, nixl_available, open_nixl_stream, serve_nixl
-from pdserve.transfer.shm import ShmConfig, open_shm_stream, serve_shm
+from pdserve.transfer.shm import SHM_DIR, ShmConfig, open_shm_stream, serve_shm
 from pdserve.transfer.stream import Address, ByteStream, StreamHandler
 from pdserve.transfer.tcp import TcpServer, open_tcp_stream, serve_tcp
 from pdserve.worker.protocol import KVEndpoint, Transport
@@ -43,7 +44,8 @@ NIXL_CONFIG = NixlConfig(num_slots=8, slot_bytes=8 << 20)
 
 @functools.cache
 def host_id() -> str:
-    """This machine and boot: equal on two workers exactly when they share /dev/shm."""
+    """Equal on two workers exactly when they can share memory: the same machine and boot, and
+    the same /dev/shm mount (containers on one node each have their own, so they differ)."""
     parts = []
     for path in ("/etc/machine-id", "/proc/sys/kernel/random/boot_id"):
         try:
@@ -52,6 +54,11 @@ def host_id() -> str:
             parts.append("")
     if not any(parts):
         parts.append(socket.gethostname())
+    try:
+        shm = os.stat(SHM_DIR)
+        parts.append(f"{shm.st_dev}:{shm.st_ino}")
+    except OSError:
+        parts.append("no-shm")
     return hashlib.sha256("/".join(parts).encode()).hexdigest()[:16]
 
 

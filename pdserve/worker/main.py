@@ -26,12 +26,8 @@ from pdserve.auth.secret import load_secret
 from pdserve.config import DTYPES, EngineConfig, ModelLoadConfig
 from pdserve.config_file import add_config_flag, expand
 from pdserve.errors import ConfigError, PdserveError
-<<<<<<< HEAD
-from pdserve.worker.config import KV_TRANSPORTS, ROLES, WorkerConfig
-=======
 from pdserve.flags import add_engine_flags
-from pdserve.worker.config import ROLES, WorkerConfig
->>>>>>> issue-17
+from pdserve.worker.config import KV_TRANSPORTS, ROLES, WorkerConfig
 from pdserve.worker.server import Worker
 
 PROG = "pdserve worker"
@@ -57,20 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", choices=("none", "int8"), default="none")
     p.add_argument("--block-size", type=int, default=_ENGINE_DEFAULTS.block_size)
     p.add_argument("--kv-cache-bytes", type=int, default=_ENGINE_DEFAULTS.kv_cache_bytes)
-<<<<<<< HEAD
-    p.add_argument(
-        "--max-num-batched-tokens", type=int, default=_ENGINE_DEFAULTS.max_num_batched_tokens
-    )
-    p.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=_ENGINE_DEFAULTS.max_num_seqs,
-        help="requests running at once",
-    )
-=======
     add_engine_flags(p)
     add_config_flag(p)
->>>>>>> issue-17
     p.add_argument("--ready-file", type=Path, default=None, help='write {"url","pid"} here')
     p.add_argument(
         "--transfer-chunk-timeout-s",
@@ -182,13 +166,10 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         kv_cache_bytes=args.kv_cache_bytes,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
-<<<<<<< HEAD
-=======
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         batch_invariant=args.batch_invariant,
->>>>>>> issue-17
         model=model,
     )
     secret = load_secret(args.cluster_secret_file)

@@ -330,20 +330,17 @@ class TokenEvent(_Model):
     # "stop" or "length" once finished; "error" with `error` set if the worker failed it.
     finish_reason: str | None = None
     error: str | None = None
-<<<<<<< HEAD
     # The error's class (pdserve.errors) when `error` is set, so the router acts on a type,
     # not on words: e.g. "KVValueMismatch", "KVNotReady", "DeadlineExceeded".
     error_type: str | None = None
     # /decode's first line: how the KV came.
     handoff: HandoffInfo | None = None
-=======
     # One per token in `token_ids` when the sampling asked for logprobs.
     logprobs: list[LogprobModel] | None = None
     # On the first event of a request prefilled by this worker that asked for them.
     prompt_logprobs: list[LogprobModel] | None = None
     # On the first event with tokens: prompt tokens this worker's prefix cache supplied.
     num_cached_tokens: int | None = None
->>>>>>> issue-17
 
 
 class ReleaseRequest(_Model):

@@ -19,7 +19,7 @@ from pdserve.errors import DeadlineExceeded, PdserveError
 from pdserve.faults import FaultInjector, FaultSite, perform
 from pdserve.observability.timeline_log import EventRing
 from pdserve.worker.engine_loop import DeltaQueue, EngineLoop
-from pdserve.worker.protocol import TokenEvent
+from pdserve.worker.protocol import LogprobModel, TokenEvent
 
 NDJSON = "application/x-ndjson"
 
@@ -85,8 +85,9 @@ class TokenStreamer:
             if delta.finished:
                 self._events.record(request_id, "finished", delta.finish_reason or "")
             token_ids = list(delta.new_token_ids)
+            logprobs = [LogprobModel.of(lp) for lp in delta.logprobs]
             if self._faults is not None:
-                token_ids = await self._token_faults(token_ids, response)
+                token_ids, logprobs = await self._token_faults(token_ids, logprobs, response)
             failed = delta.finish_reason == "error"
             event = TokenEvent(
                 token_ids=token_ids,
@@ -94,14 +95,22 @@ class TokenStreamer:
                 finish_reason=delta.finish_reason,
                 error="the engine failed this request" if failed else None,
                 error_type="EngineError" if failed else None,
+                logprobs=logprobs or None,
+                prompt_logprobs=None
+                if delta.prompt_logprobs is None
+                else [LogprobModel.of(lp) for lp in delta.prompt_logprobs],
+                num_cached_tokens=delta.num_cached_tokens if delta.new_token_ids else None,
             )
             await self.write(response, event)
             if delta.finished:
                 return
 
-    async def _token_faults(self, token_ids: list[int], response: web.StreamResponse) -> list[int]:
+    async def _token_faults(
+        self, token_ids: list[int], logprobs: list[LogprobModel], response: web.StreamResponse
+    ) -> tuple[list[int], list[LogprobModel]]:
         """The `worker.decode_tokens` site, one hit per token, fired before the token is
-        written: tokens ahead of a firing go out first. Returns the tokens still to write."""
+        written: tokens ahead of a firing go out first. Returns the tokens still to write (and
+        their logprobs, if any)."""
         assert self._faults is not None
         written = 0
         for i in range(len(token_ids)):
@@ -109,7 +118,10 @@ class TokenStreamer:
             if rule is None:
                 continue
             if i > written:
-                await self.write(response, TokenEvent(token_ids=token_ids[written:i]))
+                event = TokenEvent(
+                    token_ids=token_ids[written:i], logprobs=logprobs[written:i] or None
+                )
+                await self.write(response, event)
                 written = i
             await perform(rule)
-        return token_ids[written:]
+        return token_ids[written:], logprobs[written:]

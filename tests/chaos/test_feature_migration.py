@@ -26,7 +26,7 @@ def cluster(
     with worker_processes() as handles:
         for role in ("prefill", "both", "both", "both", "both"):
             handles.append(launch_worker(role, workdir, model=tiny_model_path,
-                                         extra_args=("--kv-cache-bytes", str(32 << 20))))  # fmt: skip
+                                         extra_args=("--kv-cache-bytes", str(32 << 20), "--batch-invariant")))  # fmt: skip
         for handle in handles:
             wait_ready(handle)
         args = ["--local-prefill-threshold", "0"]

@@ -22,7 +22,8 @@ import pytest
 from openai_cases import CASES, check_valid, client, run_case
 from worker_proc import launch_worker, router_process, wait_ready, worker_processes
 
-WORKER_ARGS = ("--kv-cache-bytes", str(32 << 20))
+# Bitwise-equal logprobs on every path need the batch-invariant forward (off by default).
+WORKER_ARGS = ("--kv-cache-bytes", str(32 << 20), "--batch-invariant")
 LOSE_HALF_THE_PREFILLS = [
     "--fault",
     "router.after_prefill:close:probability=0.5",

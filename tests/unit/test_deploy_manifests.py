@@ -41,6 +41,8 @@ MANIFESTS = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 # What the kubelet would put in `valueFrom.fieldRef` variables for one pod.
 POD_FIELDS = {"status.podIP": "10.12.0.7", "metadata.name": "pdserve-decode-6f9c8d7b5-x2k7q"}
 WORKLOADS = ("Deployment", "StatefulSet")
+# What the kubelet would put in a `secretKeyRef` variable (the Secret is created by hand).
+SAMPLE_SECRET = "0123456789abcdef" * 4
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 Doc = dict[str, Any]
@@ -117,7 +119,11 @@ def expand_args(container: Doc, maps: dict[str, dict[str, str]]) -> list[str]:
             env[var["name"]] = str(var["value"])
             continue
         source = var["valueFrom"]
-        if "fieldRef" in source:
+        if "secretKeyRef" in source:
+            ref = source["secretKeyRef"]
+            assert (ref["name"], ref["key"]) == ("pdserve-cluster", "secret"), var
+            env[var["name"]] = SAMPLE_SECRET
+        elif "fieldRef" in source:
             field = source["fieldRef"]["fieldPath"]
             assert field in POD_FIELDS, f"env {var['name']}: no sample for pod field {field}"
             env[var["name"]] = POD_FIELDS[field]
@@ -185,6 +191,10 @@ def check_workload(workload: Doc) -> None:
 
 def check_pdserve_container(workload: Doc, container: Doc, maps: dict[str, dict[str, str]]) -> str:
     """Parse and check one pdserve process; returns its --discovery."""
+    secret = [v for v in container.get("env", []) if v["name"] == "PDSERVE_CLUSTER_SECRET"]
+    assert secret and "secretKeyRef" in secret[0].get("valueFrom", {}), (
+        f"{name_of(workload)}/{container['name']}: the cluster secret must come from a Secret"
+    )
     process, argv = pdserve_command(container, maps)
     component = pod_labels(workload).get("app.kubernetes.io/component", "")
     where = f"{name_of(workload)}/{container['name']}"
@@ -306,6 +316,8 @@ def test_workers_and_routers_parse_to_the_expected_configs(docs: list[Doc]) -> N
     assert decode.worker_id == POD_FIELDS["metadata.name"]
     assert decode.membership_ttl_s == int(maps["pdserve-config"]["PDSERVE_MEMBERSHIP_TTL_S"])
     assert (router.mode, router.port, router.workers) == ("disagg", 8000, ())
+    transport = maps["pdserve-config"]["PDSERVE_KV_TRANSPORT"]
+    assert prefill.kv_transport == decode.kv_transport == transport
 
 
 def _find(docs: list[Doc], kind: str, name: str) -> Doc:

@@ -1,17 +1,11 @@
 """An in-process fake worker implementing `pdserve.worker.protocol`, for router tests.
 
 It generates a fixed token script (`tokens[i]` for output token i), logs every call as
-<<<<<<< HEAD
-(path, request_id) in `calls`, and can be told to refuse reservations (503), fail prefills
-(500, retryable or not) or fail generate. Runs on an aiohttp TestServer on loopback, port 0.
-Like a real worker it refuses control calls without the test cluster's signature (401/403),
-counting them in `refused`.
-=======
 (path, request_id) in `calls` (and every sampling it was sent in `samplings`), and can be told
 to refuse reservations (503), fail prefills (500, retryable or not) or fail generate. When the
 sampling asks for logprobs, token i of a request seeded s gets `fake_logprob(s, i)` (prompt
-logprobs likewise). Runs on an aiohttp TestServer on loopback, port 0.
->>>>>>> issue-17
+logprobs likewise). Runs on an aiohttp TestServer on loopback, port 0. Like a real worker it
+refuses control calls without the test cluster's signature (401/403).
 """
 
 from __future__ import annotations
@@ -31,11 +25,8 @@ from pdserve.worker.protocol import (
     DecodeRequest,
     ErrorBody,
     GenerateRequest,
-<<<<<<< HEAD
     KVEndpoint,
-=======
     LogprobModel,
->>>>>>> issue-17
     PrefillRequest,
     PrefillResult,
     ReleaseRequest,

@@ -349,3 +349,30 @@ def test_a_connection_that_never_says_hello_is_dropped_at_the_handshake_deadline
         await asyncio.wait_for(task, 2.0)  # ended on its own
 
     run(body())
+
+
+def test_the_server_closes_connections_over_its_cap_at_once() -> None:
+    from pdserve.transfer.tcp import open_tcp_stream, serve_tcp
+
+    async def body() -> None:
+        release = asyncio.Event()
+
+        async def handler(stream: ByteStream) -> None:
+            await release.wait()
+
+        server = await serve_tcp(handler, max_connections=2)
+        try:
+            kept = [await open_tcp_stream(server.address) for _ in range(2)]
+            await asyncio.sleep(0.05)
+            extra = await open_tcp_stream(server.address)
+            # Closed on arrival: the extra connection reads end of stream at once.
+            async with asyncio.timeout(2):
+                assert await extra.receive_some() == b""
+            assert server.num_refused == 1
+            for stream in (*kept, extra):
+                await stream.aclose()
+        finally:
+            release.set()
+            await server.aclose()
+
+    run(body())
