@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV handoffs per transport (tcp, shm, nixl) vs memcpy and a raw socket;"
         " TTFT overhead of the split",
     )
-    from pdserve.bench.transfer_bench import add_arguments as add_transfer_arguments
+    from pdserve.bench.transfer_command import add_arguments as add_transfer_arguments
 
     add_transfer_arguments(bt)
     return parser
@@ -186,7 +186,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.bench == "transfer":
-        from pdserve.bench.transfer_bench import run_transfer_bench
+        from pdserve.bench.transfer_command import run_transfer_bench
 
         return run_transfer_bench(args)
     if args.bench == "serve":

@@ -1,33 +1,38 @@
-"""`pdserve bench transfer`: KV handoffs between two processes against memcpy and a raw socket.
+"""`pdserve bench transfer`, part `kv`: KV handoffs between two processes against memcpy and a
+raw socket.
 
-One run, size by size (default 1, 16, 128 MiB and 1 GiB of KV):
-1. baselines: memcpy (one copy between two pre-touched buffers in this process) and a raw
-   socket (plain blocking `sendall` / `recv_into` over loopback into the peer process's KV
-   memory, with the socket options the TCP transport uses);
+Per size (default 1, 16, 128 MiB and 1 GiB of KV in the engine's paged layout):
+1. baselines: memcpy (one copy of the KV memory into a pre-touched buffer in this process) and
+   a raw socket (plain blocking `sendall` / `recv_into` over loopback from this process's KV
+   memory into the peer process's, on one kept connection with the TCP transport's socket
+   options);
 2. a full KV handoff for each transport (tcp, shm, nixl; nixl only where it imports) from this
    process's `KVCache` into the peer's (`transfer_peer`, a separate process): the worker's
    transports (`worker.kv_transports`), a pooled connection (`ConnectionPool`, as a prefill
    worker keeps one), `send_with_retries` with a lease on the sent blocks, the peer's
-   `KVReceiver` with a reservation lease, epoch, Hello MAC under a cluster key, checksums on;
+   `KVReceiver` with a reservation lease and its epoch, Hello MACs under a cluster key,
+   checksums on, the writer fenced at the hand-over;
 3. xxh3 alone over the same bytes on each side, cut as that side cuts them.
 
-Every measurement runs `num_warmup` untimed runs, then `num_runs` timed ones; the median
-counts. Both processes write every byte of their KV memory before anything is timed, and the
-baselines move the same bytes between the same buffers as the handoffs, so neither side is
-warmer than the other. The arithmetic and the table are `transfer_stats`; the handoff
-overhead at low load (TTFT disaggregated minus colocated) is `handoff_overhead`.
+Runs are rounds: each round runs every measurement of the size once, in an order rotated per
+round (so background load that drifts, and cache state, favour none), and the first
+`num_warmup` rounds are not counted; each figure is the median of `num_runs` rounds. Both
+processes write every byte of their KV memory before anything is timed, the pooled
+connections and the raw socket's connection are opened by the warm-up, and the baselines move
+the same bytes between the same buffers as the handoffs, so no side is warmer than another.
+Each process's CPU time per handoff is recorded too: on a machine whose cores are shared, it
+says what the transport costs apart from waiting for a core. The arithmetic and the table are
+`transfer_stats`; the command is `transfer_command`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -60,8 +65,6 @@ from pdserve.bench.transfer_stats import (
     LayoutSpec,
     Samples,
     TransferReport,
-    render_table,
-    report_json,
 )
 from pdserve.engine.kv_cache import KVCache
 from pdserve.errors import ConfigError, PdserveError
@@ -106,17 +109,22 @@ class TransferBenchConfig:
 
     def __post_init__(self) -> None:
         if not self.sizes or self.num_runs < 1 or self.num_warmup < 0:
-            raise ConfigError(f"bench transfer: need sizes, runs >= 1, warm-up >= 0: {self}")
+            raise ConfigError(
+                f"--runs / --warmup / --sizes-kib: need sizes, runs >= 1 and warm-up >= 0, got"
+                f" {self.num_runs} runs, {self.num_warmup} warm-up, sizes {self.sizes}"
+            )
         for size in self.sizes:
             try:
                 self.layout.num_blocks(size)
             except ValueError as exc:
-                raise ConfigError(f"--sizes-mib: {exc}") from None
+                raise ConfigError(f"--sizes-kib: {exc}") from None
         unknown = [t for t in self.transports if t not in TARGETS]
         if unknown or not self.transports:
             raise ConfigError(f"--transports: expected names from tcp,shm,nixl, got {unknown}")
         if not 1 <= self.frame_bytes <= MAX_DATA_BYTES:
-            raise ConfigError(f"--frame-mib: must be > 0 and <= 64, got {self.frame_bytes}")
+            raise ConfigError(
+                f"--frame-kib: must be 1..{MAX_DATA_BYTES // 1024} KiB, got {self.frame_bytes} bytes"
+            )
 
     @property
     def num_blocks(self) -> int:
@@ -466,94 +474,3 @@ async def measure(config: TransferBenchConfig, workdir: Path) -> TransferReport:
             await sender.aclose()
         peer.stop()
     return report
-
-
-def _ints(flag: str, text: str, low: int) -> tuple[int, ...]:
-    try:
-        values = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise ConfigError(
-            f"{flag}: expected comma-separated integers >= {low}, got {text!r}"
-        ) from None
-    if not values or min(values) < low:
-        raise ConfigError(f"{flag}: expected comma-separated integers >= {low}, got {text!r}")
-    return values
-
-
-def _one_int(flag: str, text: str, low: int) -> int:
-    values = _ints(flag, text, low)
-    if len(values) != 1:
-        raise ConfigError(f"{flag}: expected one integer >= {low}, got {text!r}")
-    return values[0]
-
-
-def config_from_args(args: argparse.Namespace) -> TransferBenchConfig:
-    """The validated config; a bad value raises ConfigError naming its flag."""
-    sizes = tuple(sorted(set(_ints("--sizes-kib", args.sizes_kib, 1))))
-    transports = tuple(t.strip() for t in args.transports.split(","))
-    if any(t not in TARGETS for t in transports) or len(set(transports)) != len(transports):
-        raise ConfigError(
-            f"--transports: expected distinct names from {','.join(TARGETS)}, got "
-            f"{args.transports!r}"
-        )
-    try:
-        layout = LayoutSpec(
-            _one_int("--layers", args.layers, 1),
-            _one_int("--kv-heads", args.kv_heads, 1),
-            _one_int("--head-dim", args.head_dim, 1),
-            args.dtype,
-            _one_int("--block-size", args.block_size, 1),
-        )
-    except ValueError as exc:
-        raise ConfigError(f"--dtype: {exc}") from None
-    frame_kib = _one_int("--frame-kib", args.frame_kib, 1)
-    if frame_kib * 1024 > MAX_DATA_BYTES:
-        raise ConfigError(f"--frame-kib: at most {MAX_DATA_BYTES // 1024}, got {frame_kib}")
-    return TransferBenchConfig(
-        sizes=tuple(k * 1024 for k in sizes),
-        transports=transports,
-        num_runs=_one_int("--runs", args.runs, 1),
-        num_warmup=_one_int("--warmup", args.warmup, 0),
-        layout=layout,
-        frame_bytes=frame_kib * 1024,
-    )
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The command's flags; values are checked by `config_from_args` (one line naming the flag)."""
-    d = TransferBenchConfig()
-    spec = d.layout
-    p.add_argument(
-        "--sizes-kib",
-        default=",".join(str(n // 1024) for n in d.sizes),
-        help="KV sizes per handoff in KiB, comma-separated (whole blocks)",
-    )
-    p.add_argument(
-        "--transports", default=",".join(d.transports), help="comma-separated, from tcp,shm,nixl"
-    )
-    p.add_argument("--runs", default=str(d.num_runs), help="timed runs per cell (median counts)")
-    p.add_argument("--warmup", default=str(d.num_warmup), help="untimed runs before them")
-    p.add_argument("--layers", default=str(spec.num_layers), help="KV layout: layers")
-    p.add_argument("--kv-heads", default=str(spec.num_kv_heads), help="KV layout: KV heads")
-    p.add_argument("--head-dim", default=str(spec.head_dim), help="KV layout: head dim")
-    p.add_argument("--dtype", default=spec.dtype, help="KV layout: float32 or bfloat16")
-    p.add_argument("--block-size", default=str(spec.block_size), help="tokens per KV block")
-    p.add_argument(
-        "--frame-kib", default=str(d.frame_bytes // 1024), help="KV data per Chunk frame (KiB)"
-    )
-    p.add_argument(
-        "--json", type=Path, default=None, metavar="FILE", help="also write the results here"
-    )
-
-
-def run_transfer_bench(args: argparse.Namespace) -> int:
-    """The command: measure, print the table, write the JSON; 1 if a transport failed."""
-    import json
-
-    config = config_from_args(args)
-    with tempfile.TemporaryDirectory(prefix="pdserve-bench-transfer-") as workdir:
-        report = asyncio.run(measure(config, Path(workdir)))
-    print(render_table(report), flush=True)
-    if args.json is not None:
-        args.json.write_text(json.dumps(report_json(report), indent=2))
-    return 1 if report.failed else 0
