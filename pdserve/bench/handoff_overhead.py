@@ -2,9 +2,9 @@
 
 Two local clusters (`launcher.Cluster`, as `pdserve up` starts them, stopped by PID at the end)
 of the same shape, one prefill and one decode worker each, on a KV-heavy checkpoint written for
-the run (`kv_heavy_model`): `disagg` (router `--mode disagg`, local prefill off, so every
-request's KV travels) and `colocated` (router `--mode colocated`: the decode worker runs it
-whole). Both clusters first serve the same warm-up prompts (pooled KV connections open, code
+the run (`kv_heavy_model`): `disagg` (router `--mode disagg`, local prefill and the circuit
+breaker off, so every request's KV travels) and `colocated` (router `--mode colocated`: the
+decode worker runs it whole). Both clusters first serve the same warm-up prompts (pooled KV connections open, code
 paths warm); then each measured prompt goes to both, one request at a time, the first cluster
 alternating, greedy with EOS ignored.
 
@@ -33,8 +33,15 @@ from pdserve.errors import ConfigError, PdserveError
 from pdserve.launcher import Cluster, UpConfig
 from pdserve.observability import metric_names as m
 from pdserve.observability.exposition import Sample, parse, total
+from pdserve.observability.trace import TraceError, fetch_timeline
 
 MODES = ("disagg", "colocated")
+# Every disaggregated request must hand off: no local prefill, and no breaker (on a busy host a
+# same-host transfer can run below the "slow" floor, and the breaker would then colocate).
+ROUTER_ARGS: dict[str, tuple[str, ...]] = {
+    "disagg": ("--local-prefill-threshold", "0", "--no-breaker"),
+    "colocated": ("--no-breaker",),
+}
 # Seconds to wait for the prefill worker to record the send after the request ended.
 _SEND_RECORD_TIMEOUT_S = 10.0
 
@@ -153,9 +160,13 @@ async def _one(
         raise HandoffBenchError(
             f"{target.mode} request failed: {done.error or f'{len(done.token_ids)} tokens'}"
         )
+    worker_ttft_s = await asyncio.to_thread(_worker_ttft, target, done.request_id)
     if before is None:
-        return RequestTiming(token_times[0], token_times[1])
-    after = await _sent_after(target, before)
+        return RequestTiming(token_times[0], token_times[1], worker_ttft_s=worker_ttft_s)
+    try:
+        after = await _sent_after(target, before)
+    except HandoffBenchError as exc:
+        raise HandoffBenchError(f"{exc}; {_states(target, done.request_id)}") from None
     transports = [
         t
         for t, n in after.received_by_transport.items()
@@ -167,7 +178,45 @@ async def _one(
         after.seconds - before.seconds,
         int(after.num_bytes - before.num_bytes),
         "/".join(sorted(transports)) or None,
+        worker_ttft_s,
     )
+
+
+# The worker events that bound its own time to the first token, per mode.
+_WORKER_SPAN = {
+    "disagg": ("prefill_start", "prefill_end"),
+    "colocated": ("generate_start", "first_token"),
+}
+
+
+def _worker_ttft(target: _Target, request_id: str | None) -> float | None:
+    """The worker's own time from admitting the request to its first token, from the merged
+    timeline (None when its events are missing)."""
+    if request_id is None:
+        return None
+    try:
+        view = fetch_timeline(target.router_url, request_id, timeout_s=5.0, workers=True)
+    except TraceError:
+        return None
+    at: dict[str, int] = {}
+    for event in view.get("merged", []):
+        at.setdefault(str(event.get("event")), int(event.get("router_ns", 0)))
+    start, end = _WORKER_SPAN[target.mode]
+    if start not in at or end not in at:
+        return None
+    return (at[end] - at[start]) / 1e9
+
+
+def _states(target: _Target, request_id: str | None) -> str:
+    """The request's path through the router (its timeline), to say why it did not hand off."""
+    if request_id is None:
+        return "no request id"
+    try:
+        view = fetch_timeline(target.router_url, request_id, timeout_s=5.0)
+    except TraceError as exc:
+        return f"no timeline: {exc}"
+    steps = [f"{h.get('state')}({h.get('detail', '')})" for h in view["history"]]
+    return f"request {request_id}: " + " -> ".join(steps)
 
 
 async def _sent_after(target: _Target, before: _SendCounters) -> _SendCounters:
@@ -215,7 +264,7 @@ def run_handoff_overhead(config: HandoffConfig, workdir: Path) -> OverheadSummar
                 mode=mode,
                 model=str(checkpoint),
                 port=0,
-                router_args=("--local-prefill-threshold", "0") if mode == "disagg" else (),
+                router_args=ROUTER_ARGS[mode],
                 # Not the default file: a running `pdserve up` stays what `status` finds.
                 state_file=workdir / f"{mode}.json",
             )

@@ -15,6 +15,12 @@ Each is set against the measured transfer time of the same requests' KV (the pre
 acknowledged-send time, first connect to final Ack). Target: TTFT overhead <= transfer time +
 `SLACK_S`.
 
+On a busy machine the prefill's own compute time varies by tens of ms from one run of a prompt
+to the next, which swamps a few ms of overhead. So the TTFT overhead is also given without it:
+each request's TTFT minus its worker's own time from admitting it to its first token (the
+prefill worker's prefill, the colocated worker's generate), i.e. what the serving path adds
+around the compute.
+
 Pure: no I/O, no clock.
 """
 
@@ -37,6 +43,8 @@ class RequestTiming:
     transfer_s: float | None = None
     num_bytes: int = 0
     transport: str | None = None
+    # The worker's own time from admitting the request to its first token (None: unknown).
+    worker_ttft_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +62,8 @@ class OverheadSummary:
     # Spread of the paired TTFT differences (quartiles), to read the overhead against.
     ttft_overhead_q1_s: float
     ttft_overhead_q3_s: float
+    # The TTFT overhead without either worker's compute time (None if a worker time is missing).
+    ttft_overhead_excl_compute_s: float | None = None
 
     @property
     def bound_s(self) -> float:
@@ -86,6 +96,11 @@ def summarize(disagg: list[RequestTiming], colocated: list[RequestTiming]) -> Ov
         d.second_token_s - c.second_token_s for d, c in zip(disagg, colocated, strict=True)
     ]
     q1, q3 = _quartiles(ttft_diffs)
+    path_diffs = [
+        (d.ttft_s - d.worker_ttft_s) - (c.ttft_s - c.worker_ttft_s)
+        for d, c in zip(disagg, colocated, strict=True)
+        if d.worker_ttft_s is not None and c.worker_ttft_s is not None
+    ]
     return OverheadSummary(
         num_pairs=len(disagg),
         ttft_disagg_s=statistics.median(d.ttft_s for d in disagg),
@@ -97,6 +112,9 @@ def summarize(disagg: list[RequestTiming], colocated: list[RequestTiming]) -> Ov
         transports=tuple(sorted({d.transport for d in disagg if d.transport})),
         ttft_overhead_q1_s=q1,
         ttft_overhead_q3_s=q3,
+        ttft_overhead_excl_compute_s=(
+            statistics.median(path_diffs) if len(path_diffs) == len(disagg) else None
+        ),
     )
 
 
@@ -108,6 +126,7 @@ def summary_json(summary: OverheadSummary) -> dict[str, object]:
         "ttft_colocated_s": summary.ttft_colocated_s,
         "ttft_overhead_s": summary.ttft_overhead_s,
         "ttft_overhead_quartiles_s": [summary.ttft_overhead_q1_s, summary.ttft_overhead_q3_s],
+        "ttft_overhead_excl_compute_s": summary.ttft_overhead_excl_compute_s,
         "second_token_overhead_s": summary.second_token_overhead_s,
         "transfer_s": summary.transfer_s,
         "transfer_bytes": summary.transfer_bytes,
@@ -129,6 +148,12 @@ def render(summary: OverheadSummary) -> str:
             f"{summary.ttft_colocated_s * ms:.1f} ms: overhead {summary.ttft_overhead_s * ms:.1f}"
             f" ms (quartiles {summary.ttft_overhead_q1_s * ms:.1f} .. "
             f"{summary.ttft_overhead_q3_s * ms:.1f})",
+            "  TTFT overhead without the workers' own compute time: "
+            + (
+                "unknown"
+                if summary.ttft_overhead_excl_compute_s is None
+                else f"{summary.ttft_overhead_excl_compute_s * ms:.1f} ms"
+            ),
             f"  second token overhead {summary.second_token_overhead_s * ms:.1f} ms",
             f"  KV transfer {summary.transfer_bytes / 2**20:.1f} MiB over "
             f"{'/'.join(summary.transports) or '?'} in {summary.transfer_s * ms:.1f} ms",

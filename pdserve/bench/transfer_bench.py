@@ -42,6 +42,7 @@ from typing import TypeVar
 import numpy as np
 
 from pdserve.bench.transfer_peer import (
+    CpuSeconds,
     Done,
     Expect,
     Expected,
@@ -61,6 +62,7 @@ from pdserve.bench.transfer_peer import (
 from pdserve.bench.transfer_stats import (
     MIB,
     TARGETS,
+    CpuRuns,
     HandoffCell,
     LayoutSpec,
     Samples,
@@ -235,13 +237,15 @@ class _Sender:
         self.num_handoffs = 0
         self.raw: socket.socket | None = None
 
-    def memcpy(self, num_bytes: int) -> float:
-        """One copy of `num_bytes` of KV memory into a pre-touched buffer: seconds."""
+    def memcpy(self, num_bytes: int) -> tuple[float, float]:
+        """One copy of `num_bytes` of KV memory into a pre-touched buffer: (seconds, CPU
+        seconds)."""
         src = kv_bytes(self.kv)[:num_bytes]
         dst = self.scratch[:num_bytes]
+        cpu_start = time.process_time()
         start = time.perf_counter()
         dst[:] = src
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu_start
 
     async def open_raw(self, peer: _Peer, ready: PeerReady) -> None:
         """The raw-socket baseline's connection, kept for every run (as the pool keeps the
@@ -253,24 +257,26 @@ class _Sender:
         self.raw = sock
         await peer.reply(Done)
 
-    async def raw_socket(self, peer: _Peer, num_bytes: int) -> float:
-        """One plain sendall of `num_bytes` of KV memory to the peer, until its ack: seconds."""
+    async def raw_socket(self, peer: _Peer, num_bytes: int) -> tuple[float, float, float]:
+        """One plain sendall of `num_bytes` of KV memory to the peer, until its ack: (seconds,
+        sender CPU seconds, receiver CPU seconds)."""
         assert self.raw is not None
         sock = self.raw
         peer.send(RawReceive(num_bytes))
         src = kv_bytes(self.kv)[:num_bytes]
         ack = bytearray(1)
 
-        def one() -> float:
+        def one() -> tuple[float, float]:
+            cpu_start = time.process_time()
             start = time.perf_counter()
             sock.sendall(src)
             if sock.recv_into(ack) != 1:
                 raise BenchError("raw socket: the peer closed before its ack")
-            return time.perf_counter() - start
+            return time.perf_counter() - start, time.process_time() - cpu_start
 
-        seconds = await asyncio.to_thread(one)
-        await peer.reply(Done)
-        return seconds
+        seconds, cpu_seconds = await asyncio.to_thread(one)
+        received = await peer.reply(CpuSeconds)
+        return seconds, cpu_seconds, received.seconds
 
     async def handoff(self, peer: _Peer, transport: str, port: int, num_bytes: int) -> _Handoff:
         """One handoff of `num_bytes` from this process's KV into the peer's."""
@@ -355,8 +361,8 @@ class _Sender:
 class _Runs:
     """Seconds collected per measurement of one size, timed runs only."""
 
-    memcpy: list[float] = field(default_factory=list)
-    raw_socket: list[float] = field(default_factory=list)
+    memcpy: list[tuple[float, float]] = field(default_factory=list)
+    raw_socket: list[tuple[float, float, float]] = field(default_factory=list)
     handoffs: dict[str, list[_Handoff]] = field(default_factory=dict)
     sender_checksum: list[float] = field(default_factory=list)
     receiver_checksum: list[float] = field(default_factory=list)
@@ -413,8 +419,11 @@ def _cells(
                 Samples(num_bytes, tuple(runs.receiver_checksum)),
                 report.baseline(TARGETS[name][0], num_bytes),
                 sum(h.num_retries for h in handoffs),
-                tuple(h.sender_cpu_s for h in handoffs),
-                tuple(h.receiver_cpu_s for h in handoffs),
+                CpuRuns(
+                    tuple(h.sender_cpu_s for h in handoffs),
+                    tuple(h.receiver_cpu_s for h in handoffs),
+                ),
+                report.baseline_cpu(TARGETS[name][0], num_bytes),
             )
         )
     return cells
@@ -464,8 +473,12 @@ async def measure(config: TransferBenchConfig, workdir: Path) -> TransferReport:
             for i in range(config.num_warmup + config.num_runs):
                 timed = _Runs() if i < config.num_warmup else runs
                 await _round(sender, peer, ready, transports, num_bytes, i, timed, failed)
-            report.memcpy[num_bytes] = Samples(num_bytes, tuple(runs.memcpy))
-            report.raw_socket[num_bytes] = Samples(num_bytes, tuple(runs.raw_socket))
+            report.memcpy[num_bytes] = Samples(num_bytes, tuple(r[0] for r in runs.memcpy))
+            report.memcpy_cpu[num_bytes] = CpuRuns(tuple(r[1] for r in runs.memcpy))
+            report.raw_socket[num_bytes] = Samples(num_bytes, tuple(r[0] for r in runs.raw_socket))
+            report.raw_socket_cpu[num_bytes] = CpuRuns(
+                tuple(r[1] for r in runs.raw_socket), tuple(r[2] for r in runs.raw_socket)
+            )
             ok = [t for t in transports if t not in failed]
             report.cells.extend(_cells(runs, num_bytes, report, ok))
         report.failed.update(failed)

@@ -15,7 +15,11 @@ import json
 import tempfile
 from pathlib import Path
 
-from pdserve.bench.handoff_overhead import HandoffConfig, run_handoff_overhead
+from pdserve.bench.handoff_overhead import (
+    HandoffBenchError,
+    HandoffConfig,
+    run_handoff_overhead,
+)
 from pdserve.bench.handoff_stats import render as render_handoff
 from pdserve.bench.handoff_stats import summary_json
 from pdserve.bench.transfer_bench import TransferBenchConfig, measure
@@ -151,11 +155,18 @@ def run_transfer_bench(args: argparse.Namespace) -> int:
             doc.update(report_json(report))
             status |= 1 if report.failed else 0
         if handoff is not None:
-            summary = run_handoff_overhead(handoff, Path(workdir))
-            print(render_handoff(summary), flush=True)
-            doc["ttft_overhead_s"] = summary.ttft_overhead_s
-            doc["handoff_transfer_s"] = summary.transfer_s
-            doc["handoff_overhead"] = summary_json(summary)
+            try:
+                summary = run_handoff_overhead(handoff, Path(workdir))
+            except HandoffBenchError as exc:
+                # Reported, and the other part's results are still written.
+                print(f"handoff overhead: FAILED: {exc}", flush=True)
+                doc["handoff_overhead"] = {"error": str(exc)}
+                status = 1
+            else:
+                print(render_handoff(summary), flush=True)
+                doc["ttft_overhead_s"] = summary.ttft_overhead_s
+                doc["handoff_transfer_s"] = summary.transfer_s
+                doc["handoff_overhead"] = summary_json(summary)
     if args.json is not None:
         args.json.write_text(json.dumps(doc, indent=2))
     return status

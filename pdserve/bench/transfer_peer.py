@@ -142,6 +142,13 @@ class Seconds:
 
 
 @dataclass(frozen=True, slots=True)
+class CpuSeconds:
+    """The CPU time this process spent on a command."""
+
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
 class Done:
     """A command without a result finished."""
 
@@ -251,7 +258,9 @@ class _Peer:
             self.raw_conn.close()
         self.raw.close()
 
-    async def run(self, command: Command) -> Expected | Taken | Seconds | Done | Failed:
+    async def run(
+        self, command: Command
+    ) -> Expected | Taken | Seconds | CpuSeconds | Done | Failed:
         if isinstance(command, Expect):
             return self.expect(command)
         if isinstance(command, Take):
@@ -337,8 +346,9 @@ class _Peer:
         self.raw_conn = conn
         return Done()
 
-    def raw_receive(self, command: RawReceive) -> Done | Failed:
+    def raw_receive(self, command: RawReceive) -> CpuSeconds | Failed:
         """The raw-socket baseline's receiving end: blocking recv_into, no framing."""
+        cpu_start = time.process_time()
         conn = self.raw_conn
         if conn is None:
             return Failed("raw receive before RawOpen")
@@ -352,7 +362,7 @@ class _Peer:
                 return Failed(f"raw socket closed after {received} bytes")
             received += n
         conn.sendall(b"k")
-        return Done()
+        return CpuSeconds(time.process_time() - cpu_start)
 
     def hash_time(self, command: HashTime) -> Seconds:
         """The receiver's checksum work alone over the bytes a transfer of this size lands."""

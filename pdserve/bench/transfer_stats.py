@@ -71,6 +71,23 @@ class Samples:
 
 
 @dataclass(frozen=True, slots=True)
+class CpuRuns:
+    """CPU seconds per run of each process taking part (no receiver for memcpy)."""
+
+    sender_s: tuple[float, ...]
+    receiver_s: tuple[float, ...] = ()
+
+    def per_gb(self, num_bytes: int) -> tuple[float | None, float | None]:
+        """(sender, receiver) median CPU seconds per 1e9 bytes."""
+        return _per_gb(self.sender_s, num_bytes), _per_gb(self.receiver_s, num_bytes)
+
+    def busiest_per_gb(self, num_bytes: int) -> float | None:
+        """The busier process's: what bounds the rate when each process has a core."""
+        values = [v for v in self.per_gb(num_bytes) if v is not None]
+        return max(values) if values else None
+
+
+@dataclass(frozen=True, slots=True)
 class HandoffCell:
     """One transport at one size: the handoff, both sides' checksum time, the baseline."""
 
@@ -87,10 +104,10 @@ class HandoffCell:
     baseline: Samples
     # Attempts after the first, over every run (a healthy link has none).
     num_retries: int = 0
-    # CPU seconds of each process per run: what the handoff costs on a machine with cores to
-    # spare, whatever else runs on this one.
-    sender_cpu_s: tuple[float, ...] = ()
-    receiver_cpu_s: tuple[float, ...] = ()
+    # CPU seconds of each process per run, the handoff's and its baseline's: what they cost
+    # apart from waiting for a core on a machine whose cores are shared.
+    cpu: CpuRuns | None = None
+    baseline_cpu: CpuRuns | None = None
 
     @property
     def num_bytes(self) -> int:
@@ -111,11 +128,21 @@ class HandoffCell:
 
     @property
     def sender_cpu_s_per_gb(self) -> float | None:
-        return _per_gb(self.sender_cpu_s, self.num_bytes)
+        return None if self.cpu is None else self.cpu.per_gb(self.num_bytes)[0]
 
     @property
     def receiver_cpu_s_per_gb(self) -> float | None:
-        return _per_gb(self.receiver_cpu_s, self.num_bytes)
+        return None if self.cpu is None else self.cpu.per_gb(self.num_bytes)[1]
+
+    @property
+    def cpu_ratio(self) -> float | None:
+        """The ratio the handoff would reach with a core per process: the baseline's busiest
+        process's CPU per byte over the handoff's."""
+        if self.cpu is None or self.baseline_cpu is None:
+            return None
+        own = self.cpu.busiest_per_gb(self.num_bytes)
+        base = self.baseline_cpu.busiest_per_gb(self.num_bytes)
+        return None if not own or base is None else base / own
 
     @property
     def checksum_share(self) -> float:
@@ -208,6 +235,8 @@ class TransferReport:
     # Baselines per size.
     memcpy: dict[int, Samples] = field(default_factory=dict)
     raw_socket: dict[int, Samples] = field(default_factory=dict)
+    memcpy_cpu: dict[int, CpuRuns] = field(default_factory=dict)
+    raw_socket_cpu: dict[int, CpuRuns] = field(default_factory=dict)
     cells: list[HandoffCell] = field(default_factory=list)
     # transport → why it was not measured (not installed, cannot serve here).
     unavailable: dict[str, str] = field(default_factory=dict)
@@ -216,6 +245,9 @@ class TransferReport:
 
     def baseline(self, kind: Baseline, num_bytes: int) -> Samples:
         return (self.memcpy if kind is Baseline.MEMCPY else self.raw_socket)[num_bytes]
+
+    def baseline_cpu(self, kind: Baseline, num_bytes: int) -> CpuRuns | None:
+        return (self.memcpy_cpu if kind is Baseline.MEMCPY else self.raw_socket_cpu).get(num_bytes)
 
     def cell(self, transport: str, num_bytes: int) -> HandoffCell | None:
         return next(
@@ -253,12 +285,24 @@ def _samples_json(samples: Samples) -> dict[str, object]:
     }
 
 
+def _baseline_json(samples: Samples, cpu: CpuRuns | None) -> dict[str, object]:
+    doc = _samples_json(samples)
+    sender, receiver = (None, None) if cpu is None else cpu.per_gb(samples.num_bytes)
+    doc["sender_cpu_s_per_gb"] = sender
+    doc["receiver_cpu_s_per_gb"] = receiver
+    return doc
+
+
 def report_json(report: TransferReport) -> dict[str, object]:
     """The `--json` document: headline ratios and share on top, then every measurement."""
     top = headline(report)
     layout = report.layout
     doc: dict[str, object] = {ratio_key(t): top.ratios[t] for t in TARGETS}
     doc["checksum_share"] = top.checksum_share
+    for transport, (kind, _) in TARGETS.items():
+        cell = report.cell(transport, top.at_bytes)
+        ratio = None if cell is None else cell.cpu_ratio
+        doc[f"{transport}_cpu_ratio_vs_{kind.value}"] = ratio
     doc["ratios_at_bytes"] = top.at_bytes
     doc["targets"] = [
         {"name": t.name, "value": t.value, "bound": t.bound, "at_least": t.at_least, "met": t.met}
@@ -276,9 +320,15 @@ def report_json(report: TransferReport) -> dict[str, object]:
     doc["num_runs"] = report.num_runs
     doc["num_warmup"] = report.num_warmup
     doc["baselines"] = {
-        "memcpy": [_samples_json(report.memcpy[n]) for n in report.sizes if n in report.memcpy],
+        "memcpy": [
+            _baseline_json(report.memcpy[n], report.memcpy_cpu.get(n))
+            for n in report.sizes
+            if n in report.memcpy
+        ],
         "raw_socket": [
-            _samples_json(report.raw_socket[n]) for n in report.sizes if n in report.raw_socket
+            _baseline_json(report.raw_socket[n], report.raw_socket_cpu.get(n))
+            for n in report.sizes
+            if n in report.raw_socket
         ],
     }
     doc["handoffs"] = [
@@ -296,6 +346,7 @@ def report_json(report: TransferReport) -> dict[str, object]:
             "num_retries": c.num_retries,
             "sender_cpu_s_per_gb": c.sender_cpu_s_per_gb,
             "receiver_cpu_s_per_gb": c.receiver_cpu_s_per_gb,
+            "cpu_ratio": c.cpu_ratio,
         }
         for c in report.cells
     ]
@@ -317,7 +368,7 @@ def _row(label: str, cells: Sequence[str], width: int) -> str:
 def render_table(report: TransferReport) -> str:
     """The human-readable result: GB/s per size, ratios, checksum shares, verdicts."""
     layout = report.layout
-    width = 16
+    width = 20
     sizes = report.sizes
     lines = [
         f"KV layout: {layout.num_layers} layers x {layout.num_kv_heads} KV heads x "
@@ -326,7 +377,9 @@ def render_table(report: TransferReport) -> str:
         f"GB/s (1e9 B/s), median of {report.num_runs} runs after {report.num_warmup} warm-up",
         _row("", [_size_label(n) for n in sizes], width),
         _row("memcpy", [_gbps(report.memcpy.get(n)) for n in sizes], width),
+        _row("  cpu s/GB", [_cpu(report.memcpy_cpu.get(n), n) for n in sizes], width),
         _row("raw socket", [_gbps(report.raw_socket.get(n)) for n in sizes], width),
+        _row("  cpu s/GB send/recv", [_cpu(report.raw_socket_cpu.get(n), n) for n in sizes], width),
     ]
     for transport in TARGETS:
         if transport in report.unavailable:
@@ -345,7 +398,10 @@ def render_table(report: TransferReport) -> str:
             retried = f" r{cell.num_retries}" if cell.num_retries else ""
             row.append(f"{cell.sender.gbps:.2f} ({cell.ratio:.2f}x){retried}")
             shares.append(f"{cell.sender_checksum_share:.0%}/{cell.receiver_checksum_share:.0%}")
-            cpu.append(f"{_num(cell.sender_cpu_s_per_gb)}/{_num(cell.receiver_cpu_s_per_gb)}")
+            cpu_ratio = "" if cell.cpu_ratio is None else f" ({cell.cpu_ratio:.2f}x)"
+            cpu.append(
+                f"{_num(cell.sender_cpu_s_per_gb)}/{_num(cell.receiver_cpu_s_per_gb)}{cpu_ratio}"
+            )
         if any(r != "-" for r in row):
             lines.append(_row(f"{transport} handoff", row, width))
             lines.append(_row("  checksum send/recv", shares, width))
@@ -360,6 +416,13 @@ def render_table(report: TransferReport) -> str:
         sign = ">=" if t.at_least else "<="
         lines.append(f"  {t.name:<28}{value:>8}  ({sign} {t.bound:g})  {verdict}")
     return "\n".join(lines)
+
+
+def _cpu(runs: CpuRuns | None, num_bytes: int) -> str:
+    if runs is None:
+        return "-"
+    sender, receiver = runs.per_gb(num_bytes)
+    return _num(sender) if receiver is None else f"{_num(sender)}/{_num(receiver)}"
 
 
 def _num(value: float | None) -> str:

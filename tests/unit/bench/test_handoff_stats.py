@@ -40,3 +40,16 @@ def test_pairs_must_match_and_every_handoff_needs_its_transfer_time() -> None:
         summarize([disagg(0.3, 0.4)], [])
     with pytest.raises(ValueError, match="transfer time"):
         summarize([RequestTiming(0.3, 0.4)], [RequestTiming(0.3, 0.4)])
+
+
+def test_overhead_without_compute_removes_the_prefill_time_of_each_request() -> None:
+    # The disaggregated prefill ran 30 ms slower than the colocated one (noise): the plain TTFT
+    # overhead shows 36 ms, what the path adds around the compute is 6 ms.
+    d = [RequestTiming(0.336, 0.40, 0.04, 1, "shm", worker_ttft_s=0.330)]
+    c = [RequestTiming(0.300, 0.33, worker_ttft_s=0.300)]
+    out = summarize(d, c)
+    assert out.ttft_overhead_s == pytest.approx(0.036)
+    assert out.ttft_overhead_excl_compute_s == pytest.approx(0.006)
+    assert "6.0 ms" in render(out)
+    missing = summarize([disagg(0.3, 0.4)], [RequestTiming(0.3, 0.4)])
+    assert missing.ttft_overhead_excl_compute_s is None

@@ -8,6 +8,7 @@ import pytest
 from pdserve.bench.transfer_command import config_from_args, parts_from_args
 from pdserve.bench.transfer_stats import (
     MIB,
+    CpuRuns,
     HandoffCell,
     LayoutSpec,
     Samples,
@@ -35,8 +36,8 @@ def cell(
         sender_checksum=s(n, hashed),
         receiver_checksum=s(n, hashed / 2),
         baseline=baseline,
-        sender_cpu_s=(0.1, 0.3, 0.2),
-        receiver_cpu_s=(0.4,),
+        cpu=CpuRuns((0.1, 0.3, 0.2), (0.4,)),
+        baseline_cpu=CpuRuns((0.1,), (0.2,)),
     )
 
 
@@ -76,6 +77,8 @@ def test_each_transport_is_judged_against_its_own_baseline_and_shares_per_side()
     assert c.receiver_checksum_share == pytest.approx(0.0125 / 0.1)  # 0.1: the receiver's own
     assert c.checksum_share == pytest.approx(0.2)
     assert c.sender_cpu_s_per_gb == pytest.approx(0.2 / (128 * MIB) * 1e9)
+    # With a core per process: the baseline's busier side (0.2 s) over the handoff's (0.4 s).
+    assert c.cpu_ratio == pytest.approx(0.5)
 
 
 def test_headline_ratios_are_taken_at_the_largest_size_and_the_share_is_the_worst_cell() -> None:
@@ -102,6 +105,7 @@ def test_json_names_the_ratios_per_transport_and_keeps_every_run() -> None:
     assert doc["nixl_ratio_vs_memcpy"] is None
     assert doc["checksum_share"] == pytest.approx(0.25)
     assert doc["unavailable"] == {"nixl": "not importable"}
+    assert doc["tcp_cpu_ratio_vs_raw_socket"] == pytest.approx(0.5)
     handoffs = doc["handoffs"]
     assert isinstance(handoffs, list) and len(handoffs) == 4
     first = handoffs[0]
