@@ -57,7 +57,9 @@ from pdserve.bench.transfer_peer import (
     Take,
     Taken,
     kv_bytes,
+    new_kv_cache,
     touch,
+    wire_layout,
 )
 from pdserve.bench.transfer_stats import (
     MIB,
@@ -68,11 +70,10 @@ from pdserve.bench.transfer_stats import (
     Samples,
     TransferReport,
 )
-from pdserve.engine.kv_cache import KVCache
 from pdserve.errors import ConfigError, PdserveError
 from pdserve.transfer.byte_ranges import DEFAULT_FRAME_BYTES, payload_views, split_payload
 from pdserve.transfer.codec import MAX_DATA_BYTES, data_checksum
-from pdserve.transfer.messages import KVLayout, token_digest
+from pdserve.transfer.messages import token_digest
 from pdserve.transfer.nixl_transport import nixl_available
 from pdserve.transfer.sender import OutgoingTransfer, SendPolicy, send_with_retries
 from pdserve.transfer.sender_session import SenderSession
@@ -212,14 +213,9 @@ class _Sender:
     def __init__(self, config: TransferBenchConfig, fingerprint: dict[str, str], key: bytes):
         spec = config.layout
         self.config = config
-        self.kv = KVCache(
-            config.num_blocks,
-            spec.num_layers,
-            spec.block_size,
-            spec.num_kv_heads,
-            spec.head_dim,
-            spec.dtype,
-        )
+        self.kv = new_kv_cache(spec, config.num_blocks)
+        if self.kv.block_bytes != spec.block_bytes:
+            raise BenchError(f"KV cache blocks of {self.kv.block_bytes} bytes, layout says {spec}")
         self.blocks = self.kv.block_views(list(range(config.num_blocks)))
         # Random bytes (the same block everywhere, numbered): every page written once.
         pattern = np.random.default_rng(0).integers(0, 256, self.kv.block_bytes, dtype=np.uint8)
@@ -295,9 +291,7 @@ class _Sender:
         lease = self.leases.grant(
             list(range(num_blocks)), LEASE_TTL_S, f"prefill {rid}", task.cancel
         )
-        layout = KVLayout(
-            spec.num_layers, num_blocks, self.kv.block_bytes, spec.dtype, spec.block_size
-        )
+        layout = wire_layout(spec, num_blocks)
         transfer = OutgoingTransfer(
             tid,
             rid,
@@ -449,11 +443,7 @@ async def measure(config: TransferBenchConfig, workdir: Path) -> TransferReport:
     }
     key = os.urandom(32)
     setup = PeerSetup(
-        spec.num_layers,
-        spec.num_kv_heads,
-        spec.head_dim,
-        spec.dtype,
-        spec.block_size,
+        spec,
         config.num_blocks,
         tuple(transports),  # type: ignore[arg-type]
         fingerprint,

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import xxhash
 
+from pdserve.bench.transfer_stats import LayoutSpec
 from pdserve.engine.kv_cache import KVCache
 from pdserve.transfer.byte_ranges import payload_views, split_payload
 from pdserve.transfer.messages import KVLayout
@@ -53,11 +54,7 @@ from pdserve.worker.protocol import Transport
 class PeerSetup:
     """The receiver's KV memory and what it serves."""
 
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-    block_size: int
+    layout: LayoutSpec
     num_blocks: int
     transports: tuple[Transport, ...]
     fingerprint: FingerprintMap
@@ -173,6 +170,25 @@ def touch(view: memoryview, value: int) -> None:
     np.frombuffer(view, dtype=np.uint8).fill(value)
 
 
+def new_kv_cache(layout: LayoutSpec, num_blocks: int) -> KVCache:
+    """An engine's KV memory of `layout` with `num_blocks` blocks (zeroed)."""
+    return KVCache(
+        num_blocks,
+        layout.num_layers,
+        layout.block_size,
+        layout.num_kv_heads,
+        layout.head_dim,
+        layout.dtype,
+    )
+
+
+def wire_layout(layout: LayoutSpec, num_blocks: int) -> KVLayout:
+    """The transfer protocol's description of `num_blocks` blocks of `layout`."""
+    return KVLayout(
+        layout.num_layers, num_blocks, layout.block_bytes, layout.dtype, layout.block_size
+    )
+
+
 def kv_bytes(kv: KVCache) -> memoryview:
     """Every byte of a KV cache as one flat writable view (blocks end to end, no copy)."""
     flat = kv.tensor.view(-1).view(torch.uint8).numpy()
@@ -207,14 +223,7 @@ class _Peer:
 
     def __init__(self, setup: PeerSetup) -> None:
         self.setup = setup
-        self.kv = KVCache(
-            setup.num_blocks,
-            setup.num_layers,
-            setup.block_size,
-            setup.num_kv_heads,
-            setup.head_dim,
-            setup.dtype,
-        )
+        self.kv = new_kv_cache(setup.layout, setup.num_blocks)
         self.blocks = self.kv.block_views(list(range(setup.num_blocks)))
         for view in self.blocks:
             touch(view, 0)
@@ -283,9 +292,7 @@ class _Peer:
             f"reservation {command.request_id}",
             lambda: asyncio.get_running_loop().create_task(self._end(tid)),
         )
-        layout = KVLayout(
-            setup.num_layers, command.num_blocks, self.kv.block_bytes, setup.dtype, setup.block_size
-        )
+        layout = wire_layout(setup.layout, command.num_blocks)
         plan = ReceivePlan(
             tid,
             command.capability_token,
