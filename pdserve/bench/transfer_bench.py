@@ -134,7 +134,7 @@ class TransferBenchConfig:
         return self.layout.num_blocks(max(self.sizes))
 
 
-class _Peer:
+class _PeerProcess:
     """The receiving process, started by PID and stopped by PID."""
 
     def __init__(self, setup: PeerSetup, workdir: Path) -> None:
@@ -243,7 +243,7 @@ class _Sender:
         dst[:] = src
         return time.perf_counter() - start, time.process_time() - cpu_start
 
-    async def open_raw(self, peer: _Peer, ready: PeerReady) -> None:
+    async def open_raw(self, peer: _PeerProcess, ready: PeerReady) -> None:
         """The raw-socket baseline's connection, kept for every run (as the pool keeps the
         transports' connections), with the socket options of the TCP transport."""
         peer.send(RawOpen())
@@ -253,7 +253,7 @@ class _Sender:
         self.raw = sock
         await peer.reply(Done)
 
-    async def raw_socket(self, peer: _Peer, num_bytes: int) -> tuple[float, float, float]:
+    async def raw_socket(self, peer: _PeerProcess, num_bytes: int) -> tuple[float, float, float]:
         """One plain sendall of `num_bytes` of KV memory to the peer, until its ack: (seconds,
         sender CPU seconds, receiver CPU seconds)."""
         assert self.raw is not None
@@ -274,7 +274,9 @@ class _Sender:
         received = await peer.reply(CpuSeconds)
         return seconds, cpu_seconds, received.seconds
 
-    async def handoff(self, peer: _Peer, transport: str, port: int, num_bytes: int) -> _Handoff:
+    async def handoff(
+        self, peer: _PeerProcess, transport: str, port: int, num_bytes: int
+    ) -> _Handoff:
         """One handoff of `num_bytes` from this process's KV into the peer's."""
         spec = self.config.layout
         num_blocks = spec.num_blocks(num_bytes)
@@ -364,7 +366,7 @@ class _Runs:
 
 async def _round(
     sender: _Sender,
-    peer: _Peer,
+    peer: _PeerProcess,
     ready: PeerReady,
     transports: list[str],
     num_bytes: int,
@@ -449,7 +451,7 @@ async def measure(config: TransferBenchConfig, workdir: Path) -> TransferReport:
         fingerprint,
         key,
     )
-    peer = _Peer(setup, workdir)
+    peer = _PeerProcess(setup, workdir)
     sender: _Sender | None = None
     try:
         sender = _Sender(config, fingerprint, key)
