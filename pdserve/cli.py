@@ -4,7 +4,8 @@ Commands: `generate` (one completion on the local engine), `up` (router and work
 loopback), `worker` and `router` (one process each), `status` and `top` (a cluster's workers,
 blocks and load, once or live), `trace` (one request's timeline), `bench engine` (engine
 throughput against transformers), `bench multiturn` (routing on multi-turn chats), `bench
-serve` (goodput under SLOs at Poisson rates, disagg against colocated). A bad flag or config
+serve` (goodput under SLOs at Poisson rates, disagg against colocated), `bench transfer` (KV
+handoffs per transport against memcpy and a raw socket, and the split's TTFT overhead). A bad flag or config
 value exits with status 2 and one line naming it.
 """
 
@@ -157,6 +158,14 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.bench.serve import add_arguments as add_serve_arguments
 
     add_serve_arguments(bs)
+    bt = bsub.add_parser(
+        "transfer",
+        help="KV handoffs per transport (tcp, shm, nixl) vs memcpy and a raw socket;"
+        " TTFT overhead of the split",
+    )
+    from pdserve.bench.transfer_command import add_arguments as add_transfer_arguments
+
+    add_transfer_arguments(bt)
     return parser
 
 
@@ -181,6 +190,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench == "transfer":
+        from pdserve.bench.transfer_command import run_transfer_bench
+
+        return run_transfer_bench(args)
     if args.bench == "serve":
         from pdserve.bench.serve import run_serve_bench
 

@@ -13,7 +13,8 @@ commits.
 **Fencing (invariant 7: no write after the lease).** Bytes land in KV blocks only from the
 task serving a connection, so "who may still write into these blocks" is a set of tasks, and
 the receiver tracks it: each expected transfer has at most one writer, the connection whose
-Hello opened the current attempt. A new attempt's Hello first cancels the previous writer and
+Hello opened the current attempt, until that attempt commits (a committed session refuses every
+Chunk, so nothing more can land). A new attempt's Hello first cancels the previous writer and
 waits until it has stopped; frames of any other connection for that transfer are refused.
 `fence(transfer_id)` forgets the transfer, cancels its writer (closing the connection) and
 returns only once that task has ended. The owner calls it before it frees the blocks (lease
@@ -240,6 +241,10 @@ class KVReceiver:
             incoming.notified = True
             incoming.verified_ns = time.monotonic_ns()
             self.num_verified += 1
+            # A committed session refuses every Chunk, so this connection can land nothing
+            # more in the blocks: it stops being their writer. Fencing the transfer at the
+            # hand-over then leaves alone a connection the sender keeps for its next one.
+            self._release(incoming)
             incoming.on_verified()
         # After a commit the sender may keep the connection for its next transfer.
         return self.limits.idle_timeout_s if session.verified else self.limits.frame_timeout_s

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.errors import BadMagic, ProtocolError, UnsupportedVersion
-from pdserve.transfer.slot_stream import SlotStream
+from pdserve.transfer.slot_stream import Announce, SlotStream
 from pdserve.transfer.stream import Address, ByteStream, StreamHandler
 from pdserve.transfer.tcp import TcpServer, open_tcp_stream, serve_tcp
 
@@ -102,8 +102,13 @@ class _ShmWriter:
         self._slot_bytes = slot_bytes
 
     async def write(
-        self, slot: int, views: list[memoryview], peer_gone: Callable[[], bool]
+        self,
+        slot: int,
+        views: list[memoryview],
+        peer_gone: Callable[[], bool],
+        announce: Announce,
     ) -> None:
+        # A memcpy: done on return, nothing for the peer to drive (never announced).
         offset = slot * self._slot_bytes
         for view in views:
             self._view[offset : offset + view.nbytes] = view

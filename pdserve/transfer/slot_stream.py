@@ -6,18 +6,29 @@ the peer's inbox (a memcpy into a mapped segment, or a NIXL WRITE): that is the 
 Protocol on the control stream (a TCP connection), one 12-byte frame per message:
 
     DATA(slot, num_bytes)     sender → receiver: slot `slot` of your inbox holds the next bytes
+    INLINE(slot, num_bytes)   sender → receiver: the next bytes follow this frame on the control
+                              stream itself (a send of at most `INLINE_MAX_BYTES`); it holds
+                              the credit of `slot`, whose memory it does not touch
     CREDIT(slot)              receiver → sender: slot `slot` is free again
-    WRITING(slot, num_bytes)  sender → receiver, optional: a write into `slot` starts now (for
-                              transports whose writes need the receiver to drive progress)
+    WRITING(slot, num_bytes)  sender → receiver, optional: a write into `slot` is under way and
+                              needs the receiver to drive progress until its DATA (transports
+                              whose one-sided writes may need the target, e.g. UCX over TCP)
+
+Small sends (the protocol's Hello, Begin, Commit and their replies) go INLINE: one frame and
+their bytes on the socket, instead of a slot write plus its announcement; for NIXL that saves a
+memory registration and a one-sided write per message. Bulk bytes go through slots.
 
 Credit-based flow control: a sender owns the slots it holds credit for (all of them at the
-start) and writes only into those; the receiver copies each slot out into the caller's view and
-then returns the credit. Since the receiver owns its inbox memory, bytes already announced stay
-readable after the peer exits; EOF comes after them, in order, as the control stream's EOF.
+start) and writes only into those; every DATA and INLINE uses one credit, so at most
+`num_slots` sends are queued unread at the receiver, in its inbox or in INLINE buffers. The
+receiver copies each out into the caller's view and then returns the credit. Since the receiver
+owns its inbox memory (and its INLINE buffers), bytes already announced stay readable after the
+peer exits; EOF comes after them, in order, as the control stream's EOF.
 
-Invariants: a slot is written only while the sender holds its credit; DATA and CREDIT frames are
-sent whole (shielded from cancellation) so the control stream never carries half a frame; a
-background task demultiplexes incoming frames, so credits flow even while nobody receives.
+Invariants: a slot is written only while the sender holds its credit; frames (an INLINE frame
+with its bytes) are sent whole (shielded from cancellation) so the control stream never carries
+half a frame; a background task demultiplexes incoming frames, so credits flow even while
+nobody receives.
 
 This module knows slots and frames of its own, never the KV codec above it.
 """
@@ -28,7 +39,7 @@ import asyncio
 import contextlib
 import struct
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Protocol
 
 from pdserve.errors import PeerClosed, ProtocolError, TransferError
@@ -46,18 +57,31 @@ _FRAME = struct.Struct("<BxxxII")  # kind, slot index, num_bytes
 _DATA = 1
 _CREDIT = 2
 _WRITING = 3
+_INLINE = 4
+# Sends up to this size travel INLINE on the control stream (one frame header's worth of
+# protocol message is ~100-300 bytes; a KV chunk's data is megabytes).
+INLINE_MAX_BYTES = 64 << 10
+
+Announce = Callable[[], Awaitable[None]]
+"""Sends the WRITING frame of the write in progress (at most once per write)."""
 
 
 class SlotWriter(Protocol):
     """Puts bytes into one slot of the peer's inbox."""
 
     async def write(
-        self, slot: int, views: list[memoryview], peer_gone: Callable[[], bool]
+        self,
+        slot: int,
+        views: list[memoryview],
+        peer_gone: Callable[[], bool],
+        announce: Announce,
     ) -> None:
         """Copy `views` (together at most one slot) to the start of `slot`.
 
         On return, including by cancellation, no write into the slot may still be in flight.
-        A writer that waits polls `peer_gone` and raises `PeerClosed` once it is true.
+        A writer that waits for its write to complete awaits `announce()` first (the peer then
+        drives its progress until the DATA), polls `peer_gone` and raises `PeerClosed` once it
+        is true.
         """
         ...
 
@@ -83,6 +107,18 @@ def _chunks(views: list[memoryview], chunk_bytes: int) -> Iterator[list[memoryvi
         yield group
 
 
+class _Unread:
+    """Announced bytes not yet read: a slot of the inbox, or an INLINE buffer holding a
+    slot's credit."""
+
+    __slots__ = ("offset", "slot", "source")
+
+    def __init__(self, slot: int, source: memoryview) -> None:
+        self.slot = slot
+        self.source = source
+        self.offset = 0
+
+
 class SlotStream(ByteStream):
     """A `ByteStream` over a control stream plus an inbox slot pool on each side."""
 
@@ -98,9 +134,7 @@ class SlotStream(ByteStream):
         name: str,
         on_peer_writing: Callable[[bool], None] | None = None,
     ) -> None:
-        """`on_peer_writing(True)` runs on each WRITING frame, `(False)` on each DATA frame;
-        passing it also makes this end announce its own writes (both ends pass it or neither).
-        """
+        """`on_peer_writing(True)` runs on each WRITING frame, `(False)` on each DATA frame."""
         self._control = control
         self._inbox = inbox
         self._slot_bytes = inbox_slot_bytes
@@ -111,8 +145,8 @@ class SlotStream(ByteStream):
         self._name = name
         self._on_peer_writing = on_peer_writing
         self._free_slots: deque[int] = deque(range(peer_num_slots))
-        self._pending: deque[tuple[int, int]] = deque()  # (slot, num_bytes) announced by DATA
-        self._current: list[int] | None = None  # [slot, read offset, num_bytes]
+        self._pending: deque[_Unread] = deque()  # announced by DATA or INLINE, in order
+        self._current: _Unread | None = None
         self._eof = False
         self._credit = asyncio.Event()
         self._data = asyncio.Event()
@@ -124,19 +158,36 @@ class SlotStream(ByteStream):
         self._reader = asyncio.get_running_loop().create_task(self._read_control())
 
     async def send(self, buffers: Sequence[Buffer]) -> None:
-        """Write `buffers` slot by slot into the peer's inbox, announcing each with DATA."""
+        """Write `buffers` slot by slot into the peer's inbox, announcing each with DATA; a
+        small send goes INLINE instead."""
         views = byte_views(buffers)
+        num_total = sum(v.nbytes for v in views)
         async with self._send_lock:
             self._send_state.check()
+            if not views:
+                return
+            if num_total <= min(INLINE_MAX_BYTES, self._peer_slot_bytes):
+                slot = await self._acquire_slot()
+                # One small copy, so the shielded write below never reads the caller's
+                # buffers after a cancellation has handed them back.
+                payload = b"".join(views)
+                await self._send_frame(_INLINE, slot, num_total, payload)
+                return
             num_announced = 0
             try:
                 for chunk in _chunks(views, self._peer_slot_bytes):
                     slot = await self._acquire_slot()
                     num_bytes = sum(v.nbytes for v in chunk)
-                    try:
-                        if self._on_peer_writing is not None:
+                    announced = False
+
+                    async def announce(slot: int = slot, num_bytes: int = num_bytes) -> None:
+                        nonlocal announced
+                        if not announced:
+                            announced = True
                             await self._send_frame(_WRITING, slot, num_bytes)
-                        await self._writer.write(slot, chunk, self._peer_gone)
+
+                    try:
+                        await self._writer.write(slot, chunk, self._peer_gone, announce)
                     except BaseException:
                         self._free_slots.appendleft(slot)  # the peer never heard of it
                         raise
@@ -177,7 +228,8 @@ class SlotStream(ByteStream):
             if not await self._wait_data():
                 return b""
             assert self._current is not None
-            out = bytearray(min(max_bytes, self._current[2] - self._current[1]))
+            current = self._current
+            out = bytearray(min(max_bytes, current.source.nbytes - current.offset))
             _, drained = self._copy_out(memoryview(out))
             if drained is not None:
                 await self._return_credit(drained)
@@ -195,6 +247,9 @@ class SlotStream(ByteStream):
         self._reader.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._reader
+        # Drop the views of unread bytes before the inbox they point into is released.
+        self._pending.clear()
+        self._current = None
         try:
             await self._control.aclose()
         finally:
@@ -231,8 +286,7 @@ class SlotStream(ByteStream):
         while self._current is None:
             self._receive_state.check()
             if self._pending:
-                slot, num_bytes = self._pending.popleft()
-                self._current = [slot, 0, num_bytes]
+                self._current = self._pending.popleft()
             elif self._eof:
                 return False
             else:
@@ -241,26 +295,26 @@ class SlotStream(ByteStream):
         return True
 
     def _copy_out(self, dst: memoryview) -> tuple[int, int | None]:
-        """Copy from the current slot into dst: (bytes copied, the slot if now drained)."""
-        assert self._current is not None
-        slot, offset, num_bytes = self._current
-        n = min(dst.nbytes, num_bytes - offset)
-        start = slot * self._slot_bytes + offset
-        dst[:n] = self._inbox[start : start + n]
-        self._current[1] += n
-        if self._current[1] < num_bytes:
+        """Copy from the current segment into dst: (bytes copied, its slot if now drained)."""
+        current = self._current
+        assert current is not None
+        n = min(dst.nbytes, current.source.nbytes - current.offset)
+        dst[:n] = current.source[current.offset : current.offset + n]
+        current.offset += n
+        if current.offset < current.source.nbytes:
             return n, None
         self._current = None
-        return n, slot
+        return n, current.slot
 
     async def _return_credit(self, slot: int) -> None:
         # The sender may be gone; bytes already copied stay valid, so ignore that here.
         with contextlib.suppress(TransferError):
             await self._send_frame(_CREDIT, slot, 0)
 
-    async def _send_frame(self, kind: int, slot: int, num_bytes: int) -> None:
+    async def _send_frame(self, kind: int, slot: int, num_bytes: int, payload: bytes = b"") -> None:
         # Shielded: a cancelled caller must not leave half a frame on the control stream.
-        await asyncio.shield(self._control.send([_FRAME.pack(kind, slot, num_bytes)]))
+        frame = _FRAME.pack(kind, slot, num_bytes)
+        await asyncio.shield(self._control.send([frame, payload] if payload else [frame]))
 
     async def _read_control(self) -> None:
         """Demultiplex DATA and CREDIT frames until the control stream ends."""
@@ -271,10 +325,16 @@ class SlotStream(ByteStream):
                 kind, slot, num_bytes = _FRAME.unpack(frame)
                 valid = slot < self._num_slots and num_bytes <= self._slot_bytes
                 if kind == _DATA and valid:
-                    self._pending.append((slot, num_bytes))
+                    start = slot * self._slot_bytes
+                    self._pending.append(_Unread(slot, self._inbox[start : start + num_bytes]))
                     self._data.set()
                     if self._on_peer_writing is not None:
                         self._on_peer_writing(False)
+                elif kind == _INLINE and valid and 0 < num_bytes <= INLINE_MAX_BYTES:
+                    payload = bytearray(num_bytes)
+                    await self._control.receive_into(memoryview(payload))
+                    self._pending.append(_Unread(slot, memoryview(payload)))
+                    self._data.set()
                 elif kind == _WRITING and valid:
                     if self._on_peer_writing is not None:
                         self._on_peer_writing(True)

@@ -275,10 +275,12 @@ class WorkerAPI:
             views, block_ids, num_cached = await self.engine.call(_held_kv(rid))
             if destination is not None:
                 # The digest before the KV leaves this thread's hands: whatever damages the
-                # held KV later (before its checksums are taken) is caught by value.
-                value_digest = b""
+                # held KV later (before its checksums are taken) is caught by value. Queued on
+                # the engine thread now, awaited by the send (before its first byte), not here:
+                # the first token goes back without waiting for a one-token forward.
+                value_digest: bytes | asyncio.Future[bytes] = b""
                 if self.config.kv_canary:
-                    value_digest = await kv_canary.digest(self.engine, rid)
+                    value_digest = asyncio.ensure_future(kv_canary.digest(self.engine, rid))
                 outbox.start(
                     rid,
                     body.prompt_token_ids,

@@ -163,9 +163,12 @@ class KVOutbox:
         block_ids: list[int],
         destination: Destination,
         lease_ttl_s: float,
-        value_digest: bytes = b"",
+        value_digest: bytes | asyncio.Future[bytes] = b"",
     ) -> None:
-        """Start sending the request's held KV; the engine's KV is released when it ends."""
+        """Start sending the request's held KV; the engine's KV is released when it ends.
+
+        `value_digest` may still be computing (the canary's forward on the engine thread): the
+        send awaits it before it touches the KV or sends a byte."""
         info = self._info
         skip = destination.num_cached_tokens // info.block_size
         end = info.num_prompt_blocks(len(prompt_token_ids))
@@ -243,10 +246,12 @@ class KVOutbox:
         block_ids: list[int],
         destination: Destination,
         lease_ttl_s: float,
-        value_digest: bytes,
+        value_digest: bytes | asyncio.Future[bytes],
     ) -> None:
         lease: LeaseHandle | None = None
         try:
+            # The digest is of the KV as the prefill left it: awaited before anything else.
+            digest = value_digest if isinstance(value_digest, bytes) else await value_digest
             if not blocks:
                 return  # the decode side had the whole prompt cached
             task = asyncio.current_task()
@@ -271,7 +276,7 @@ class KVOutbox:
                 destination.capability_token,
                 blocks,
                 epoch=destination.epoch,
-                value_digest=value_digest,
+                value_digest=digest,
             )
             session = SenderSession(
                 destination.transfer_id, info.fingerprint, cluster_key=self._key
