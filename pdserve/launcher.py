@@ -8,7 +8,8 @@ child by PID, waits, and SIGKILLs what is left, so no process and no port outliv
 
 Decode workers run with role `both`: they take transferred KV in disaggregated mode and whole
 requests in colocated mode, which is what makes the rollback switch (`POST /admin/mode`) work
-without restarting anything.
+without restarting anything. With `--mode auto` every worker is `both` (no prefill-only ones)
+and the router gives them prefill and decode roles itself when interference calls for it.
 """
 
 from __future__ import annotations
@@ -48,12 +49,19 @@ class UpConfig:
     startup_timeout_s: float = 180.0
     # Extra `pdserve router` flags (e.g. ("--routing", "round_robin") for a benchmark).
     router_args: tuple[str, ...] = ()
+    # Extra `pdserve worker` flags for every worker (e.g. ("--max-num-batched-tokens", "512")).
+    worker_args: tuple[str, ...] = ()
     # Where the running cluster is described for `pdserve status`.
     state_file: Path = field(default_factory=lambda: default_state_file())
 
     def __post_init__(self) -> None:
-        if self.mode not in ("disagg", "colocated"):
-            raise ConfigError(f"mode: {self.mode!r} is not one of disagg, colocated")
+        if self.mode not in ("disagg", "colocated", "auto"):
+            raise ConfigError(f"mode: {self.mode!r} is not one of disagg, colocated, auto")
+        if self.mode == "auto" and self.num_prefill != 0:
+            raise ConfigError(
+                f"prefill: auto mode gives `both` workers their roles itself; start them with"
+                f" --decode N and --prefill 0, got --prefill {self.num_prefill}"
+            )
         if self.num_decode < 1:
             raise ConfigError(
                 f"decode: at least one decode worker is needed, got {self.num_decode}"
@@ -156,7 +164,7 @@ class Cluster:
         c = self.config
         args = ["pdserve.worker.main", "--role", role, "--host", c.host, "--port", "0"]
         args += ["--worker-id", name, "--dtype", c.dtype, "--block-size", str(c.block_size)]
-        return args + (["--model", c.model] if c.model else [])
+        return args + (["--model", c.model] if c.model else []) + list(c.worker_args)
 
     def start(self) -> str:
         """Start workers then the router; returns the router URL."""

@@ -26,6 +26,8 @@ class Completion:
     # The router's response id (`cmpl-…`): the key of GET /debug/requests/{id}.
     request_id: str | None = None
     token_ids: list[int] = field(default_factory=list)
+    # The text of the streamed chunks, concatenated.
+    text: str = ""
     finish_reason: str | None = None
     # "type: message" of the router's error body, or of the connection failure.
     error: str | None = None
@@ -68,6 +70,7 @@ async def stream_completion(
                 if new and out.ttft_s is None:
                     out.ttft_s = time.perf_counter() - start
                 out.token_ids.extend(new)
+                out.text += choice.get("text") or ""
                 out.finish_reason = choice.get("finish_reason") or out.finish_reason
                 if on_tokens is not None and new:
                     await on_tokens(len(out.token_ids))

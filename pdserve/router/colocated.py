@@ -94,9 +94,11 @@ class ColocatedFlow:
                             if event.finished:
                                 settled = True
                                 timeline.advance(S.FINISHED, event.finish_reason or "")
-                                yield TokenChunk(event.token_ids, event.finish_reason or "stop")
+                                yield TokenChunk(
+                                    event.token_ids, event.finish_reason or "stop", event.step
+                                )
                                 return
-                            yield TokenChunk(event.token_ids)
+                            yield TokenChunk(event.token_ids, step=event.step)
                             event = await anext(events, None)
                         raise WorkerUnreachable(url, "generate stream ended before finished")
                 except RouterError as exc:

@@ -9,9 +9,15 @@ from typing import Literal
 from pdserve.errors import ConfigError
 from pdserve.faults import parse_rules
 from pdserve.membership.uri import parse_discovery
+from pdserve.router.auto_mode import AutoConfig
+from pdserve.router.interference import SLOConfig
 
+# The path a request takes; fixed when it begins.
 Mode = Literal["disagg", "colocated"]
 MODES: tuple[Mode, ...] = ("disagg", "colocated")
+# What the router is set to: a mode, or "auto" (it picks colocated or a split itself).
+ModeSetting = Literal["disagg", "colocated", "auto"]
+MODE_SETTINGS: tuple[ModeSetting, ...] = ("disagg", "colocated", "auto")
 
 
 def parse_mode(value: str) -> Mode:
@@ -20,6 +26,14 @@ def parse_mode(value: str) -> Mode:
         if value == mode:
             return mode
     raise ConfigError(f"mode: {value!r} is not one of {', '.join(MODES)}")
+
+
+def parse_mode_setting(value: str) -> ModeSetting:
+    """`value` as a ModeSetting (a mode or "auto"); ConfigError naming it otherwise."""
+    for setting in MODE_SETTINGS:
+        if value == setting:
+            return setting
+    raise ConfigError(f"mode: {value!r} is not one of {', '.join(MODE_SETTINGS)}")
 
 
 # Recovery steps after a failed KV handoff, in the order the router may try them:
@@ -150,7 +164,8 @@ class RouterConfig:
     workers: tuple[str, ...]
     # Folder with the tokenizer and config.json; its name is the served model name.
     model: Path
-    mode: Mode = "disagg"
+    # "auto": start colocated and let `router/auto_controller.py` split and rejoin the pool.
+    mode: ModeSetting = "disagg"
     host: str = "127.0.0.1"
     # 0 picks a free port (reported through ready_file).
     port: int = 0
@@ -172,6 +187,10 @@ class RouterConfig:
     # Fault-injection rules at the router's sites (`pdserve.faults` syntax), tests only.
     faults: tuple[str, ...] = ()
     fault_seed: int = 0
+    # The latency targets the router measures attainment against (and auto mode keeps).
+    slo: SLOConfig = field(default_factory=SLOConfig)
+    # Thresholds and hysteresis of the automatic mode; its window is also the live window.
+    auto: AutoConfig = field(default_factory=AutoConfig)
 
     def __post_init__(self) -> None:
         parse_rules(self.faults)  # a bad rule fails at start, named
@@ -184,7 +203,7 @@ class RouterConfig:
         for url in self.workers:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"worker: {url!r} is not an http(s) URL")
-        parse_mode(self.mode)
+        parse_mode_setting(self.mode)
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port: must be in 0..65535, got {self.port}")
         if self.request_timeout_s <= 0:
@@ -193,6 +212,11 @@ class RouterConfig:
             raise ConfigError(f"timeline-ring: must be >= 1, got {self.timeline_ring}")
         if self.health_poll_interval_s <= 0 or self.lease_ttl_s <= 0:
             raise ConfigError("health_poll_interval_s and lease_ttl_s must be > 0")
+
+    @property
+    def initial_mode(self) -> Mode:
+        """The mode requests begin in at start (auto starts colocated)."""
+        return "colocated" if self.mode == "auto" else self.mode
 
     @property
     def model_name(self) -> str:

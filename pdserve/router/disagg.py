@@ -332,9 +332,11 @@ class DisaggFlow:
                             timeline.advance(S.DECODING)
                         if event.finished:
                             timeline.advance(S.FINISHED, event.finish_reason or "")
-                            yield TokenChunk(event.token_ids, event.finish_reason or "stop")
+                            yield TokenChunk(
+                                event.token_ids, event.finish_reason or "stop", event.step
+                            )
                             return
-                        yield TokenChunk(event.token_ids)
+                        yield TokenChunk(event.token_ids, step=event.step)
         except RouterError as exc:
             # Before the commit any failure (D dead, KV never verified, reservation gone) is
             # the handoff's; after it, the decode's.
@@ -387,9 +389,11 @@ class DisaggFlow:
                             if event.finished:
                                 finished = True
                                 timeline.advance(S.FINISHED, event.finish_reason or "")
-                                yield TokenChunk(event.token_ids, event.finish_reason or "stop")
+                                yield TokenChunk(
+                                    event.token_ids, event.finish_reason or "stop", event.step
+                                )
                                 return
-                            yield TokenChunk(event.token_ids)
+                            yield TokenChunk(event.token_ids, step=event.step)
                 raise WorkerUnreachable(url, "stream ended before finished")
             except RouterError as exc:
                 if isinstance(exc, WorkerUnreachable):

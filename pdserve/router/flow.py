@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pdserve.router.state import RequestTimeline
-from pdserve.worker.protocol import SamplingModel
+from pdserve.worker.protocol import SamplingModel, StepInfo
 
 
 @dataclass(slots=True)
@@ -38,6 +38,9 @@ class TokenChunk:
 
     token_ids: list[int]
     finish_reason: str | None = None
+    # The worker's engine step that produced these tokens, when a worker stream did (not the
+    # prefill's first token): whether prefill shared the batch (interference metrics).
+    step: StepInfo | None = None
 
 
 class Flow(Protocol):

@@ -22,21 +22,25 @@ from aiohttp import web
 
 from pdserve.errors import PdserveError
 from pdserve.router.app import create_app
+from pdserve.router.auto_mode import AutoConfig
 from pdserve.router.config import (
-    MODES,
+    MODE_SETTINGS,
     RECOVERY_STEPS,
     ROUTINGS,
     AffinityConfig,
     BreakerConfig,
     RecoveryConfig,
     RouterConfig,
-    parse_mode,
+    parse_mode_setting,
     parse_recovery,
 )
+from pdserve.router.interference import SLOConfig
 
 _BREAKER = BreakerConfig()
 _RECOVERY = RecoveryConfig()
 _AFFINITY = AffinityConfig()
+_SLO = SLOConfig()
+_AUTO = AutoConfig()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,7 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="etcd://HOST:PORT[/PREFIX]",
         help="find workers registered in etcd instead of --worker URLs",
     )
-    p.add_argument("--mode", choices=MODES, default="disagg")
+    p.add_argument(
+        "--mode",
+        choices=MODE_SETTINGS,
+        default="disagg",
+        help="auto: start colocated, split `both` workers into prefill and decode roles when"
+        " prefill breaks the TPOT SLO, rejoin them when the load falls or the breaker opens",
+    )
     p.add_argument(
         "--fault",
         action="append",
@@ -100,6 +110,43 @@ def build_parser() -> argparse.ArgumentParser:
         help="uncached prompt tokens a decode worker holding the rest prefills itself (0: never)",
     )
     a.add_argument("--max-sessions", type=int, default=_AFFINITY.max_sessions)
+    s = p.add_argument_group("SLOs (attainment metrics, pdserve top, --mode auto)")
+    s.add_argument("--slo-ttft-ms", type=float, default=_SLO.ttft_s * 1e3)
+    s.add_argument("--slo-tpot-ms", type=float, default=_SLO.tpot_s * 1e3)
+    au = p.add_argument_group("automatic mode (--mode auto)")
+    au.add_argument("--auto-interval-s", type=float, default=_AUTO.interval_s)
+    au.add_argument(
+        "--auto-window-s",
+        type=float,
+        default=_AUTO.window_s,
+        help="seconds of live figures each decision (and the attainment gauges) covers",
+    )
+    au.add_argument(
+        "--auto-min-dwell-s",
+        type=float,
+        default=_AUTO.min_dwell_s,
+        help="no change of mode or ratio within this long of the previous one",
+    )
+    au.add_argument(
+        "--auto-sustain",
+        type=int,
+        default=_AUTO.sustain,
+        help="consecutive evaluations that must propose the same change",
+    )
+    au.add_argument("--auto-min-requests", type=int, default=_AUTO.min_requests)
+    au.add_argument("--auto-target-attainment", type=float, default=_AUTO.target_attainment)
+    au.add_argument(
+        "--auto-low-water",
+        type=float,
+        default=_AUTO.low_water,
+        help="back to colocated below this fraction of the prompt tokens/s at the split",
+    )
+    au.add_argument(
+        "--auto-split-backoff-s",
+        type=float,
+        default=_AUTO.split_backoff_s,
+        help="after a split was undone for not helping, no new split for this long",
+    )
     r = p.add_argument_group("recovery after a failed handoff")
     r.add_argument(
         "--recovery",
@@ -129,7 +176,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
         faults=tuple(args.fault),
         fault_seed=args.fault_seed,
         model=model,
-        mode=parse_mode(args.mode),
+        mode=parse_mode_setting(args.mode),
         host=args.host,
         port=args.port,
         api_key=args.api_key,
@@ -150,6 +197,17 @@ def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
             load_weight=args.load_weight,
             local_prefill_threshold=args.local_prefill_threshold,
             max_sessions=args.max_sessions,
+        ),
+        slo=SLOConfig(ttft_s=args.slo_ttft_ms / 1e3, tpot_s=args.slo_tpot_ms / 1e3),
+        auto=AutoConfig(
+            interval_s=args.auto_interval_s,
+            window_s=args.auto_window_s,
+            min_dwell_s=args.auto_min_dwell_s,
+            sustain=args.auto_sustain,
+            min_requests=args.auto_min_requests,
+            target_attainment=args.auto_target_attainment,
+            low_water=args.auto_low_water,
+            split_backoff_s=args.auto_split_backoff_s,
         ),
         recovery=RecoveryConfig(
             steps=parse_recovery(args.recovery),

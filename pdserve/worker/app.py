@@ -60,6 +60,7 @@ from pdserve.worker.protocol import (
     WorkerHealth,
 )
 from pdserve.worker.reuse_metrics import render_reuse
+from pdserve.worker.step_report import render_steps, step_info, step_totals_model
 
 M = TypeVar("M", bound=BaseModel)
 NDJSON = "application/x-ndjson"
@@ -189,6 +190,7 @@ class WorkerAPI:
                 finished=delta.finished,
                 finish_reason=delta.finish_reason,
                 error=error,
+                step=step_info(delta),
             )
             await response.write(event.model_dump_json().encode() + b"\n")
             if delta.finished:
@@ -240,6 +242,7 @@ class WorkerAPI:
             request_monotonic_ns=arrived_ns,
             monotonic_ns=time.monotonic_ns(),
             wall_time_s=time.time(),
+            steps=step_totals_model(stats.steps),
         )
         return _json(body)
 
@@ -409,6 +412,7 @@ class WorkerAPI:
         sends = self.outbox.sends if self.outbox else None
         text = render(self.worker_id, stats, self.leases.num_active, counters, sends)
         text += render_reuse(self.worker_id, stats)
+        text += render_steps(self.worker_id, stats.steps)
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
     async def debug_request(self, request: web.Request) -> web.Response:

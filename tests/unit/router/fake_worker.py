@@ -25,6 +25,7 @@ from pdserve.worker.protocol import (
     RenewResult,
     Reservation,
     ReserveRequest,
+    StepInfo,
     TokenEvent,
     WorkerHealth,
 )
@@ -53,6 +54,9 @@ class FakeWorker:
     refuse_reserve_times: int = 0
     num_free_blocks: int = 100
     num_running: int = 0
+    # When set, streamed token i carries a StepInfo whose prefill tokens are
+    # `step_prefill_tokens[i % len]` (the worker's interference report); None: no step facts.
+    step_prefill_tokens: list[int] | None = None
     calls: list[tuple[str, str]] = field(default_factory=list)
     reserved: dict[str, ReserveRequest] = field(default_factory=dict)
     server: TestServer | None = None
@@ -193,10 +197,22 @@ class FakeWorker:
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
             last = i == max_tokens - 1
+            step = None
+            if self.step_prefill_tokens is not None:
+                prefill = self.step_prefill_tokens[i % len(self.step_prefill_tokens)]
+                step = StepInfo(
+                    index=i,
+                    duration_s=0.001,
+                    num_prefill_tokens=prefill,
+                    num_decode_tokens=1,
+                    # Token 0 of a /generate stream comes from its own prefill.
+                    decode=i > 0,
+                )
             event = TokenEvent(
                 token_ids=[self.tokens[i % len(self.tokens)]],
                 finished=last,
                 finish_reason="length" if last else None,
+                step=step,
             )
             await resp.write(event.model_dump_json().encode() + b"\n")
         await resp.write_eof()
