@@ -17,6 +17,10 @@ Poisson arrival time and waits for every stream to end. With `--plot`, the media
 request of each mode at the highest rate has its merged timeline fetched from
 `GET /debug/requests/{id}` before its cluster stops. The arithmetic lives in `serve_stats`,
 the drawing in `serve_plot`.
+
+`measure` (warm-up, rates in turn, arms rotated, records and summaries) and `run_rate` (one
+rate's Poisson run) are shared with `pdserve advise`, whose arms are one cluster switched
+between colocated and each P:D split (`Endpoint.prepare`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import math
 import os
 import tempfile
 import urllib.request
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +40,7 @@ from typing import Any
 import aiohttp
 
 from pdserve.bench.completion_client import stream_completion
+from pdserve.bench.flags import integer, positive, positive_floats
 from pdserve.bench.serve_stats import (
     SLO,
     RateSummary,
@@ -99,12 +105,20 @@ class ServeReport:
 
 
 @dataclass(frozen=True, slots=True)
-class _Endpoint:
-    """A started cluster as the load generator sees it."""
+class Endpoint:
+    """A started cluster (or one arm of it) as the load generator sees it."""
 
+    # The name its rows carry in reports (a mode, or an advise arm such as "disagg-1:1").
     mode: str
     router_url: str
     model_name: str
+    # Awaited before each of this endpoint's runs (advise switches the router's roles here).
+    prepare: Callable[[aiohttp.ClientSession], Awaitable[None]] | None = None
+
+
+# The requests of one (rate index, rate, endpoint) run, and the warm-up of one endpoint.
+WorkloadFn = Callable[[int, float, Endpoint], list[RequestSpec]]
+WarmupFn = Callable[[Endpoint], list[RequestSpec]]
 
 
 def _body(spec: RequestSpec, model_name: str) -> dict[str, object]:
@@ -118,9 +132,9 @@ def _body(spec: RequestSpec, model_name: str) -> dict[str, object]:
     }
 
 
-async def _run_rate(
+async def run_rate(
     session: aiohttp.ClientSession,
-    endpoint: _Endpoint,
+    endpoint: Endpoint,
     specs: list[RequestSpec],
     timeout_s: float,
 ) -> tuple[list[RequestRecord], float]:
@@ -150,31 +164,65 @@ async def _run_rate(
     return records, span_s
 
 
-async def _measure(config: ServeConfig, endpoints: list[_Endpoint]) -> ServeReport:
+def default_warmup(endpoint: Endpoint) -> list[RequestSpec]:
+    """One short request: the first request of a cluster pays one-off costs."""
+    return [RequestSpec(-1, 0.0, tuple(range(100, 164)), 8)]
+
+
+async def measure(
+    endpoints: Sequence[Endpoint],
+    rates: Sequence[float],
+    workload: WorkloadFn,
+    slo: SLO,
+    request_timeout_s: float,
+    timelines: bool = False,
+    warmup: WarmupFn = default_warmup,
+) -> ServeReport:
+    """Warm every endpoint up, then rate by rate run each endpoint's workload, the endpoints
+    taking turns with the first one rotating per rate; summaries in endpoint then rate order.
+    With `timelines`, the median-latency request of each endpoint at the highest rate has its
+    merged timeline fetched."""
     report = ServeReport()
-    top_rate = max(config.rates)
+    top_rate = max(rates)
     async with aiohttp.ClientSession() as session:
-        warm = RequestSpec(-1, 0.0, tuple(range(100, 164)), 8)
         for e in endpoints:
-            # The first request of a cluster pays one-off costs (allocations, connections).
-            await _run_rate(session, e, [warm], config.request_timeout_s)
-        for i, rate in enumerate(config.rates):
-            specs = build_workload(
-                rate, config.seed + i, config.shape, config.num_requests, config.duration_s
-            )
+            if e.prepare is not None:
+                await e.prepare(session)
+            await run_rate(session, e, warmup(e), request_timeout_s)
+        for i, rate in enumerate(rates):
             shift = i % len(endpoints)
-            for e in endpoints[shift:] + endpoints[:shift]:
-                records, span_s = await _run_rate(session, e, specs, config.request_timeout_s)
+            for e in [*endpoints[shift:], *endpoints[:shift]]:
+                if e.prepare is not None:
+                    await e.prepare(session)
+                specs = workload(i, rate, e)
+                records, span_s = await run_rate(session, e, specs, request_timeout_s)
                 report.records[(e.mode, rate)] = records
-                report.summaries.append(summarize(e.mode, rate, records, span_s, config.slo))
+                report.summaries.append(summarize(e.mode, rate, records, span_s, slo))
                 chosen = representative(records)
-                if config.plot_dir is not None and rate == top_rate and chosen is not None:
+                if timelines and rate == top_rate and chosen is not None:
                     report.timelines[e.mode] = await asyncio.to_thread(
                         _fetch_view, e.router_url, chosen.request_id
                     )
-    order = {m: k for k, m in enumerate(config.modes)}
+    order = {e.mode: k for k, e in enumerate(endpoints)}
     report.summaries.sort(key=lambda s: (order[s.mode], s.rate))
     return report
+
+
+async def _measure(config: ServeConfig, endpoints: list[Endpoint]) -> ServeReport:
+    def workload(i: int, rate: float, endpoint: Endpoint) -> list[RequestSpec]:
+        # The same seeded requests for every mode (seed + i: no rate finds another's prompts).
+        return build_workload(
+            rate, config.seed + i, config.shape, config.num_requests, config.duration_s
+        )
+
+    return await measure(
+        endpoints,
+        config.rates,
+        workload,
+        config.slo,
+        config.request_timeout_s,
+        timelines=config.plot_dir is not None,
+    )
 
 
 def _fetch_view(router_url: str, request_id: str | None) -> dict[str, Any]:
@@ -209,7 +257,7 @@ def run_serve(config: ServeConfig) -> ServeReport:
             router_url = cluster.start()
             with urllib.request.urlopen(f"{router_url}/health", timeout=10) as resp:
                 model_name = str(json.loads(resp.read())["model"])
-            endpoints.append(_Endpoint(mode, router_url, model_name))
+            endpoints.append(Endpoint(mode, router_url, model_name))
         return asyncio.run(_measure(config, endpoints))
     finally:
         for cluster in started:
@@ -275,44 +323,10 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_floats(flag: str, text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(part) for part in text.split(","))
-    except ValueError:
-        raise ConfigError(f"{flag}: expected comma-separated numbers > 0, got {text!r}") from None
-    if not all(math.isfinite(v) and v > 0 for v in values):
-        raise ConfigError(f"{flag}: expected comma-separated numbers > 0, got {text!r}")
-    return values
-
-
-def _positive(flag: str, text: str | None) -> float | None:
-    if text is None:
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        raise ConfigError(f"{flag}: expected a number > 0, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise ConfigError(f"{flag}: expected a number > 0, got {text!r}")
-    return value
-
-
-def _int(flag: str, text: str | None, low: int) -> int | None:
-    if text is None:
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise ConfigError(f"{flag}: expected an integer >= {low}, got {text!r}") from None
-    if value < low:
-        raise ConfigError(f"{flag}: expected an integer >= {low}, got {text!r}")
-    return value
-
-
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """The validated config; a bad value raises ConfigError naming its flag."""
     d = ServeConfig()
-    rates = _positive_floats("--rates", args.rates)
+    rates = positive_floats("--rates", args.rates)
     if len(set(rates)) != len(rates):
         raise ConfigError(f"--rates: each rate once, got {args.rates!r}")
     modes = tuple(m.strip() for m in args.modes.split(","))
@@ -321,21 +335,21 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ConfigError(
             f"--modes: expected distinct names from {','.join(MODES)}, got {args.modes!r}"
         )
-    num_requests = _int("--num-requests", args.num_requests, 1)
-    duration_s = _positive("--duration-s", args.duration_s)
+    num_requests = integer("--num-requests", args.num_requests, 1)
+    duration_s = positive("--duration-s", args.duration_s)
     if num_requests is not None and duration_s is not None:
         raise ConfigError("--num-requests: give it or --duration-s, not both")
     if num_requests is None and duration_s is None:
         duration_s = d.duration_s
-    ttft_ms = _positive("--ttft-slo-ms", args.ttft_slo_ms) or 0.0
-    tpot_ms = _positive("--tpot-slo-ms", args.tpot_slo_ms) or 0.0
+    ttft_ms = positive("--ttft-slo-ms", args.ttft_slo_ms) or 0.0
+    tpot_ms = positive("--tpot-slo-ms", args.tpot_slo_ms) or 0.0
     return ServeConfig(
         rates=rates,
         num_requests=num_requests,
         duration_s=duration_s,
         modes=modes,
         slo=SLO(ttft_s=ttft_ms / 1e3, tpot_s=tpot_ms / 1e3),
-        seed=_int("--seed", args.seed, 0) or 0,
+        seed=integer("--seed", args.seed, 0) or 0,
         model=args.model,
         json_path=args.json,
         plot_dir=args.plot,
