@@ -62,6 +62,8 @@ class AdviseConfig:
     model: str | None = None
     # Passed to every worker (None: the engine's default).
     max_num_batched_tokens: int | None = None
+    # Runs per rate and arm, alternating arms (each --duration-s / --num-requests long).
+    repeats: int = 1
     json_path: Path | None = None
     plot_dir: Path | None = None
     request_timeout_s: float = 120.0
@@ -128,12 +130,11 @@ def run_advise(config: AdviseConfig) -> AdviseResult:
         endpoints = _endpoints(arms, router_url, model_name)
         arm_index = {a.name: k for k, a in enumerate(arms)}
 
-        def workload(i: int, rate: float, endpoint: Endpoint) -> list[RequestSpec]:
-            specs = config.workload.build(
-                rate, config.seed + i, config.num_requests, config.duration_s
-            )
+        def workload(i: int, rate: float, endpoint: Endpoint, repeat: int) -> list[RequestSpec]:
+            seed = (config.seed + i) * 1000 + repeat
+            specs = config.workload.build(rate, seed, config.num_requests, config.duration_s)
             # Same arrivals and lengths for every arm, prompt ids of its own (prefix cache).
-            return respell(specs, (config.seed * 1000 + i) * MAX_WORKERS + arm_index[endpoint.mode])
+            return respell(specs, seed * MAX_WORKERS + arm_index[endpoint.mode])
 
         def warmup(endpoint: Endpoint) -> list[RequestSpec]:
             big = max(
@@ -155,6 +156,7 @@ def run_advise(config: AdviseConfig) -> AdviseResult:
                 config.request_timeout_s,
                 timelines=config.plot_dir is not None,
                 warmup=warmup,
+                repeats=config.repeats,
             )
         )
     finally:
@@ -189,6 +191,7 @@ def report_json(config: AdviseConfig, result: AdviseResult) -> dict[str, object]
             "num_requests": config.num_requests,
             "duration_s": config.duration_s,
             "seed": config.seed,
+            "repeats": config.repeats,
             "model": config.model,
             "max_num_batched_tokens": config.max_num_batched_tokens,
             "workload": config.workload.describe(),
@@ -272,6 +275,7 @@ def config_from_args(args: argparse.Namespace) -> AdviseConfig:
         duration_s = 10.0
     target = positive("--target-attainment", args.target_attainment, 1.0) or 0.9
     seed = integer("--seed", args.seed, 0) or 0
+    repeats = integer("--repeats", args.repeats, 1, 100) or 1
     batched = integer("--max-num-batched-tokens", args.max_num_batched_tokens, 1, 1 << 20)
     synthetic = args.prompt_tokens is not None or args.output_tokens is not None
     if args.workload is not None and synthetic:
@@ -307,6 +311,7 @@ def config_from_args(args: argparse.Namespace) -> AdviseConfig:
         seed=seed,
         model=args.model,
         max_num_batched_tokens=batched,
+        repeats=repeats,
         json_path=args.json,
         plot_dir=args.plot,
     )
@@ -356,6 +361,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="fraction of requests that must meet both SLOs",
     )
     p.add_argument("--seed", default=str(d.seed), help="seed of arrivals, lengths and prompts")
+    p.add_argument(
+        "--repeats",
+        default=str(d.repeats),
+        help="runs per rate and arm, arms alternating (evens out a drifting background load)",
+    )
     p.add_argument(
         "--model", default=None, help="Hugging Face model folder (default: tiny built-in)"
     )

@@ -26,14 +26,14 @@ class Completion:
     # The router's response id (`cmpl-…`): the key of GET /debug/requests/{id}.
     request_id: str | None = None
     token_ids: list[int] = field(default_factory=list)
-    # The text of the streamed chunks, concatenated.
-    text: str = ""
     finish_reason: str | None = None
     # "type: message" of the router's error body, or of the connection failure.
     error: str | None = None
     # Seconds from sending the request to the first token, and to the end of the stream.
     ttft_s: float | None = None
     latency_s: float = 0.0
+    # The text of the streamed chunks, concatenated.
+    text: str = ""
 
 
 async def stream_completion(

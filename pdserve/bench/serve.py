@@ -116,8 +116,9 @@ class Endpoint:
     prepare: Callable[[aiohttp.ClientSession], Awaitable[None]] | None = None
 
 
-# The requests of one (rate index, rate, endpoint) run, and the warm-up of one endpoint.
-WorkloadFn = Callable[[int, float, Endpoint], list[RequestSpec]]
+# The requests of one run (rate index, rate, endpoint, repeat index), and the warm-up of one
+# endpoint.
+WorkloadFn = Callable[[int, float, Endpoint, int], list[RequestSpec]]
 WarmupFn = Callable[[Endpoint], list[RequestSpec]]
 
 
@@ -177,10 +178,14 @@ async def measure(
     request_timeout_s: float,
     timelines: bool = False,
     warmup: WarmupFn = default_warmup,
+    repeats: int = 1,
 ) -> ServeReport:
     """Warm every endpoint up, then rate by rate run each endpoint's workload, the endpoints
-    taking turns with the first one rotating per rate; summaries in endpoint then rate order.
-    With `timelines`, the median-latency request of each endpoint at the highest rate has its
+    taking turns with the first one rotating per rate and repeat; summaries in endpoint then
+    rate order. With `repeats` > 1 each rate is run that many times per endpoint, alternating
+    (A B B A ...), and summarised over all of them (goodput over the sum of the spans): a
+    background load that drifts during the run then hits every endpoint alike. With
+    `timelines`, the median-latency request of each endpoint at the highest rate has its
     merged timeline fetched."""
     report = ServeReport()
     top_rate = max(rates)
@@ -190,14 +195,19 @@ async def measure(
                 await e.prepare(session)
             await run_rate(session, e, warmup(e), request_timeout_s)
         for i, rate in enumerate(rates):
-            shift = i % len(endpoints)
-            for e in [*endpoints[shift:], *endpoints[:shift]]:
-                if e.prepare is not None:
-                    await e.prepare(session)
-                specs = workload(i, rate, e)
-                records, span_s = await run_rate(session, e, specs, request_timeout_s)
-                report.records[(e.mode, rate)] = records
-                report.summaries.append(summarize(e.mode, rate, records, span_s, slo))
+            spans: dict[str, float] = {}
+            for rep in range(repeats):
+                shift = (i + rep) % len(endpoints)
+                for e in [*endpoints[shift:], *endpoints[:shift]]:
+                    if e.prepare is not None:
+                        await e.prepare(session)
+                    specs = workload(i, rate, e, rep)
+                    records, span_s = await run_rate(session, e, specs, request_timeout_s)
+                    report.records.setdefault((e.mode, rate), []).extend(records)
+                    spans[e.mode] = spans.get(e.mode, 0.0) + span_s
+            for e in endpoints:
+                records = report.records[(e.mode, rate)]
+                report.summaries.append(summarize(e.mode, rate, records, spans[e.mode], slo))
                 chosen = representative(records)
                 if timelines and rate == top_rate and chosen is not None:
                     report.timelines[e.mode] = await asyncio.to_thread(
@@ -209,7 +219,7 @@ async def measure(
 
 
 async def _measure(config: ServeConfig, endpoints: list[Endpoint]) -> ServeReport:
-    def workload(i: int, rate: float, endpoint: Endpoint) -> list[RequestSpec]:
+    def workload(i: int, rate: float, endpoint: Endpoint, repeat: int) -> list[RequestSpec]:
         # The same seeded requests for every mode (seed + i: no rate finds another's prompts).
         return build_workload(
             rate, config.seed + i, config.shape, config.num_requests, config.duration_s
