@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
-import os
 import tempfile
 import urllib.request
 from dataclasses import asdict, dataclass, field
@@ -34,8 +32,14 @@ import aiohttp
 
 from pdserve.bench.advise_report import Advice, Arm, advise, arms_for, render_advice
 from pdserve.bench.advise_workload import AdviseWorkload, parse_range, parse_trace, respell
-from pdserve.bench.flags import integer, positive, positive_floats
-from pdserve.bench.serve import Endpoint, ServeReport, measure
+from pdserve.bench.flags import (
+    add_load_arguments,
+    add_output_arguments,
+    integer,
+    parse_load,
+    positive,
+)
+from pdserve.bench.serve import Endpoint, ServeReport, measure, prepare_run, rows_json
 from pdserve.bench.serve_stats import SLO, RequestSpec, WorkloadShape, render_table
 from pdserve.errors import ConfigError
 from pdserve.launcher import Cluster, UpConfig
@@ -164,13 +168,10 @@ def run_advise(config: AdviseConfig) -> AdviseResult:
     return AdviseResult(arms, report, advise(arms, report.summaries, config.target_attainment))
 
 
-def _finite(value: float | None) -> float | None:
-    return value if value is not None and math.isfinite(value) else None
-
-
 def report_json(config: AdviseConfig, result: AdviseResult) -> dict[str, object]:
     """The `--json` document: config, curves, sustained rates, recommendation, ratios."""
     advice, report = result.advice, result.report
+    rows = rows_json(report, "arm")
     by_key = {(s.mode, s.rate): s for s in report.summaries}
     per_arm: dict[str, dict[str, float | None]] = {}
     for arm in result.arms:
@@ -197,10 +198,7 @@ def report_json(config: AdviseConfig, result: AdviseResult) -> dict[str, object]
             "workload": config.workload.describe(),
             "arms": [asdict(a) for a in result.arms],
         },
-        "results": [
-            {k: _finite(v) if isinstance(v, float) else v for k, v in asdict(s).items()}
-            for s in report.summaries
-        ],
+        "results": rows["results"],
         "sustained_rate": advice.sustained,
         "recommendation": {
             **asdict(advice.arm),
@@ -212,24 +210,14 @@ def report_json(config: AdviseConfig, result: AdviseResult) -> dict[str, object]
             str(rate): ratio for rate, ratio in advice.ratio_by_rate.items()
         },
         "goodput_ratio_vs_colocated": per_arm,
-        "requests": [
-            {"arm": arm, "rate": rate, **asdict(r), "tpot_s": r.tpot_s}
-            for (arm, rate), records in report.records.items()
-            for r in records
-        ],
+        "requests": rows["requests"],
     }
 
 
 def run_advise_command(args: argparse.Namespace) -> int:
     """The `pdserve advise` command."""
     config = config_from_args(args)
-    if config.plot_dir is not None:
-        from pdserve.observability.plot import load_pyplot
-
-        load_pyplot()  # a missing extra fails now, not after minutes of measuring
-    # Several workers share the machine's cores: one intra-op thread each (inherited).
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault("MKL_NUM_THREADS", "1")
+    prepare_run(config.plot_dir)
     result = run_advise(config)
     print(render_table(result.report.summaries, config.slo))
     print()
@@ -264,15 +252,7 @@ def config_from_args(args: argparse.Namespace) -> AdviseConfig:
     num_workers = integer("--workers", args.workers, 2, MAX_WORKERS) or 2
     ttft_ms = positive("--slo-ttft-ms", args.slo_ttft_ms, MAX_SLO_MS) or 0.0
     tpot_ms = positive("--slo-tpot-ms", args.slo_tpot_ms, MAX_SLO_MS) or 0.0
-    rates = positive_floats("--rates", args.rates, MAX_RATE)
-    if len(set(rates)) != len(rates):
-        raise ConfigError(f"--rates: each rate once, got {args.rates!r}")
-    num_requests = integer("--num-requests", args.num_requests, 1, 100_000)
-    duration_s = positive("--duration-s", args.duration_s, 3600)
-    if num_requests is not None and duration_s is not None:
-        raise ConfigError("--num-requests: give it or --duration-s, not both")
-    if num_requests is None and duration_s is None:
-        duration_s = 10.0
+    load = parse_load(args, 10.0, MAX_RATE, 100_000, 3600)
     target = positive("--target-attainment", args.target_attainment, 1.0) or 0.9
     seed = integer("--seed", args.seed, 0) or 0
     repeats = integer("--repeats", args.repeats, 1, 100) or 1
@@ -304,9 +284,9 @@ def config_from_args(args: argparse.Namespace) -> AdviseConfig:
         workload=workload,
         num_workers=num_workers,
         slo=SLO(ttft_s=ttft_ms / 1e3, tpot_s=tpot_ms / 1e3),
-        rates=rates,
-        num_requests=num_requests,
-        duration_s=duration_s,
+        rates=load.rates,
+        num_requests=load.num_requests,
+        duration_s=load.duration_s,
         target_attainment=target,
         seed=seed,
         model=args.model,
@@ -342,19 +322,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help='JSONL, one {"prompt_tokens": N, "output_tokens": M} per line',
     )
-    p.add_argument(
-        "--rates",
-        default=",".join(f"{r:g}" for r in d.rates),
-        help="comma-separated request rates per second (Poisson)",
-    )
-    p.add_argument(
-        "--duration-s",
-        default=None,
-        help=f"seconds of arrivals per rate and arm (default {d.duration_s:g})",
-    )
-    p.add_argument(
-        "--num-requests", default=None, help="requests per rate and arm (instead of --duration-s)"
-    )
+    add_load_arguments(p, d.rates, d.duration_s or 10.0, "rate and arm")
     p.add_argument(
         "--target-attainment",
         default=f"{d.target_attainment:g}",
@@ -367,18 +335,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="runs per rate and arm, arms alternating (evens out a drifting background load)",
     )
     p.add_argument(
-        "--model", default=None, help="Hugging Face model folder (default: tiny built-in)"
-    )
-    p.add_argument(
         "--max-num-batched-tokens", default=None, help="tokens per engine step (worker flag)"
     )
-    p.add_argument(
-        "--json", type=Path, default=None, metavar="FILE", help="also write the results here"
-    )
-    p.add_argument(
-        "--plot",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="write PNGs here: goodput/attainment vs rate per arm, latency CDFs (pdserve[plot])",
+    add_output_arguments(
+        p, "write PNGs here: goodput/attainment vs rate per arm, latency CDFs (pdserve[plot])"
     )

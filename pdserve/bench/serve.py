@@ -40,7 +40,13 @@ from typing import Any
 import aiohttp
 
 from pdserve.bench.completion_client import stream_completion
-from pdserve.bench.flags import integer, positive, positive_floats
+from pdserve.bench.flags import (
+    add_load_arguments,
+    add_output_arguments,
+    integer,
+    parse_load,
+    positive,
+)
 from pdserve.bench.serve_stats import (
     SLO,
     RateSummary,
@@ -278,8 +284,36 @@ def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def rows_json(report: ServeReport, label: str = "mode") -> dict[str, list[dict[str, object]]]:
+    """A report's summaries (`results`, NaN as null) and every request (`requests`, keyed by
+    `label`: "mode" here, "arm" in `pdserve advise`) for a `--json` document."""
+    return {
+        "results": [
+            {k: _finite(v) if isinstance(v, float) else v for k, v in asdict(s).items()}
+            for s in report.summaries
+        ],
+        "requests": [
+            {label: name, "rate": rate, **asdict(r), "tpot_s": r.tpot_s}
+            for (name, rate), records in report.records.items()
+            for r in records
+        ],
+    }
+
+
+def prepare_run(plot_dir: Path | None) -> None:
+    """Before a benchmark starts anything: a missing plot extra fails now, not after minutes
+    of measuring; worker processes get one intra-op thread each (they share the cores)."""
+    if plot_dir is not None:
+        from pdserve.observability.plot import load_pyplot
+
+        load_pyplot()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+
 def report_json(config: ServeConfig, report: ServeReport) -> dict[str, object]:
     """The `--json` document: config, one summary per (mode, rate), ratios, every request."""
+    rows = rows_json(report)
     return {
         "config": {
             "rates": list(config.rates),
@@ -292,31 +326,18 @@ def report_json(config: ServeConfig, report: ServeReport) -> dict[str, object]:
             "seed": config.seed,
             "clusters": {m: asdict(MODES[m]) for m in config.modes},
         },
-        "results": [
-            {k: _finite(v) if isinstance(v, float) else v for k, v in asdict(s).items()}
-            for s in report.summaries
-        ],
+        "results": rows["results"],
         "goodput_ratio_disagg_over_colocated": {
             str(rate): ratio for rate, ratio in goodput_ratios(report.summaries).items()
         },
-        "requests": [
-            {"mode": mode, "rate": rate, **asdict(r), "tpot_s": r.tpot_s}
-            for (mode, rate), records in report.records.items()
-            for r in records
-        ],
+        "requests": rows["requests"],
     }
 
 
 def run_serve_bench(args: argparse.Namespace) -> int:
     """The `pdserve bench serve` command."""
     config = config_from_args(args)
-    if config.plot_dir is not None:
-        from pdserve.observability.plot import load_pyplot
-
-        load_pyplot()  # a missing extra fails now, not after minutes of measuring
-    # Several workers share the machine's cores: one intra-op thread each (inherited).
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault("MKL_NUM_THREADS", "1")
+    prepare_run(config.plot_dir)
     report = run_serve(config)
     print(render_table(report.summaries, config.slo))
     print()
@@ -336,27 +357,19 @@ def run_serve_bench(args: argparse.Namespace) -> int:
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """The validated config; a bad value raises ConfigError naming its flag."""
     d = ServeConfig()
-    rates = positive_floats("--rates", args.rates)
-    if len(set(rates)) != len(rates):
-        raise ConfigError(f"--rates: each rate once, got {args.rates!r}")
+    load = parse_load(args, d.duration_s or 10.0)
     modes = tuple(m.strip() for m in args.modes.split(","))
     unknown = [m for m in modes if m not in MODES]
     if unknown or len(set(modes)) != len(modes):
         raise ConfigError(
             f"--modes: expected distinct names from {','.join(MODES)}, got {args.modes!r}"
         )
-    num_requests = integer("--num-requests", args.num_requests, 1)
-    duration_s = positive("--duration-s", args.duration_s)
-    if num_requests is not None and duration_s is not None:
-        raise ConfigError("--num-requests: give it or --duration-s, not both")
-    if num_requests is None and duration_s is None:
-        duration_s = d.duration_s
     ttft_ms = positive("--ttft-slo-ms", args.ttft_slo_ms) or 0.0
     tpot_ms = positive("--tpot-slo-ms", args.tpot_slo_ms) or 0.0
     return ServeConfig(
-        rates=rates,
-        num_requests=num_requests,
-        duration_s=duration_s,
+        rates=load.rates,
+        num_requests=load.num_requests,
+        duration_s=load.duration_s,
         modes=modes,
         slo=SLO(ttft_s=ttft_ms / 1e3, tpot_s=tpot_ms / 1e3),
         seed=integer("--seed", args.seed, 0) or 0,
@@ -369,19 +382,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The command's flags; values are checked by `config_from_args` (one line naming the flag)."""
     d = ServeConfig()
-    p.add_argument(
-        "--rates",
-        default=",".join(f"{r:g}" for r in d.rates),
-        help="comma-separated request rates per second (Poisson arrivals)",
-    )
-    p.add_argument(
-        "--duration-s",
-        default=None,
-        help=f"seconds of arrivals per rate (default {d.duration_s:g})",
-    )
-    p.add_argument(
-        "--num-requests", default=None, help="requests per rate (instead of --duration-s)"
-    )
+    add_load_arguments(p, d.rates, d.duration_s or 10.0, "rate")
     p.add_argument(
         "--modes", default=",".join(d.modes), help="comma-separated, from disagg,colocated"
     )
@@ -392,17 +393,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--tpot-slo-ms", default=f"{d.slo.tpot_s * 1e3:g}", help="time per output token SLO"
     )
     p.add_argument("--seed", default=str(d.seed), help="seed of arrivals and prompts")
-    p.add_argument(
-        "--model", default=None, help="Hugging Face model folder (default: tiny built-in)"
-    )
-    p.add_argument(
-        "--json", type=Path, default=None, metavar="FILE", help="also write the results here"
-    )
-    p.add_argument(
-        "--plot",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="write PNGs here: goodput/attainment vs rate, latency CDFs, one request's phases"
+    add_output_arguments(
+        p,
+        "write PNGs here: goodput/attainment vs rate, latency CDFs, one request's phases"
         " (needs pdserve[plot])",
     )
