@@ -231,8 +231,25 @@ class Cluster:
         return 0
 
 
+def check_router_args(config: UpConfig) -> None:
+    """Parse the router's flags as the router will, before any process starts: a bad
+    `--router-arg` (an SLO out of range, say) is refused now, naming the flag, instead of
+    after the workers are up."""
+    from pdserve.router.main import config_from_args
+
+    args = ["--worker", "http://127.0.0.1:1", "--mode", config.mode, *config.router_args]
+    args += ["--model", config.model] if config.model else []
+    try:
+        config_from_args(args)
+    except SystemExit:  # argparse already said why (an unknown flag, a bad number)
+        raise ConfigError(
+            f"router-arg: `pdserve router` refused {list(config.router_args)}"
+        ) from None
+
+
 def run_up(config: UpConfig) -> int:
     """The `pdserve up` command."""
+    check_router_args(config)
     cluster = Cluster(config)
     try:
         url = cluster.start()
