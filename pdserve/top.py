@@ -99,8 +99,9 @@ def render_interference(samples: Sequence[Sample]) -> list[str]:
         mean = total(mine, f"{name}_sum") / count if count else None
         p50 = histogram_quantile(mine, name, 0.5)
         p95 = histogram_quantile(mine, name, 0.95)
+        shown = "-" if mean is None else f"{mean * 1e3:.1f}ms"
         lines.append(
-            f"decode tpot {text:<16} mean {_ms(mean).lstrip('≤'):>9}  p50 {_ms(p50):>10}"
+            f"decode tpot {text:<16} mean {shown:>9}  p50 {_ms(p50):>10}"
             f"  p95 {_ms(p95):>10}  n {count:g}"
         )
     targets = {s.label("slo"): s.value for s in samples if s.name == m.ROUTER_SLO_TARGET.name}

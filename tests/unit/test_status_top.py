@@ -114,10 +114,10 @@ def test_top_shows_interference_slo_attainment_and_the_auto_layout() -> None:
     metrics = RouterMetrics(extra=[monitor.render])
     lines = render_interference(parse(metrics.render()))
     assert lines[0].split() == [
-        "decode", "tpot", "with", "prefill", "mean", "90ms", "p50", "≤100ms", "p95", "≤100ms",
+        "decode", "tpot", "with", "prefill", "mean", "90.0ms", "p50", "≤100ms", "p95", "≤100ms",
         "n", "1",
     ]  # fmt: skip
-    assert lines[1].split()[:6] == ["decode", "tpot", "without", "prefill", "mean", "3ms"]
+    assert lines[1].split()[:6] == ["decode", "tpot", "without", "prefill", "mean", "3.0ms"]
     assert lines[2] == (
         "slo ttft 1000ms tpot 10ms  window attainment ttft 1.00  tpot 0.00  both 0.00"
         "  since start missed_tpot=1"
