@@ -5,8 +5,9 @@ loopback), `worker` and `router` (one process each), `status` and `top` (a clust
 blocks and load, once or live), `trace` (one request's timeline), `bench engine` (engine
 throughput against transformers), `bench multiturn` (routing on multi-turn chats), `bench
 serve` (goodput under SLOs at Poisson rates, disagg against colocated), `bench transfer` (KV
-handoffs per transport against memcpy and a raw socket, and the split's TTFT overhead). A bad flag or config
-value exits with status 2 and one line naming it.
+handoffs per transport against memcpy and a raw socket, and the split's TTFT overhead),
+`advise` (goodput curves of colocated and every P:D split on the user's workload, and a
+recommendation). A bad flag or config value exits with status 2 and one line naming it.
 """
 
 from __future__ import annotations
@@ -68,9 +69,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
     u = sub.add_parser("up", help="start a router and workers on loopback; Ctrl-C stops all")
-    u.add_argument("--prefill", type=_non_negative_int, default=1, help="prefill workers")
+    u.add_argument(
+        "--prefill",
+        type=_non_negative_int,
+        default=None,
+        help="prefill workers (default 1; 0 with --mode auto)",
+    )
     u.add_argument("--decode", type=_positive_int, default=1, help="decode workers (role both)")
-    u.add_argument("--mode", choices=["disagg", "colocated"], default="disagg")
+    u.add_argument(
+        "--mode",
+        choices=["disagg", "colocated", "auto"],
+        default="disagg",
+        help="auto: the router splits the `both` workers into prefill and decode roles itself",
+    )
+    u.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="extra `pdserve router` flag, e.g. --router-arg=--slo-tpot-ms=30 (repeatable)",
+    )
     u.add_argument(
         "--model", default=None, help="Hugging Face model folder (default: tiny built-in)"
     )
@@ -139,6 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="draw each scenario's slowest completed request's timeline into DIR (pdserve[plot])",
     )
+
+    a = sub.add_parser(
+        "advise",
+        help="colocated or split, and which P:D ratio: goodput curves on your workload",
+    )
+    from pdserve.bench.advise import add_arguments as add_advise_arguments
+
+    add_advise_arguments(a)
 
     b = sub.add_parser("bench", help="benchmarks that print a table and ratios")
     bsub = b.add_subparsers(dest="bench", required=True)
@@ -259,8 +285,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
     worker_args = forwarded(args.worker_flags, args)
     # The router checks prompt lengths against the same limit the workers enforce.
     max_len = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
+    num_prefill = args.prefill if args.prefill is not None else (0 if args.mode == "auto" else 1)
     config = UpConfig(
-        num_prefill=args.prefill,
+        num_prefill=num_prefill,
         num_decode=args.decode,
         mode=args.mode,
         model=args.model,
@@ -269,7 +296,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         block_size=args.block_size,
         api_key=args.api_key,
-        router_args=tuple(forwarded(args.router_flags, args) + max_len),
+        router_args=tuple(forwarded(args.router_flags, args) + max_len + args.router_arg),
         worker_args=tuple(worker_args),
     )
     return run_up(config)
@@ -358,6 +385,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_generate(args)
         if args.command == "bench":
             return _cmd_bench(args)
+        if args.command == "advise":
+            from pdserve.bench.advise import run_advise_command
+
+            return run_advise_command(args)
         if args.command == "up":
             return _cmd_up(args)
         if args.command == "chaos":

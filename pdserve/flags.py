@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from pdserve.config import EngineConfig
+from pdserve.router.auto_mode import AutoConfig
 from pdserve.router.config import (
     RECOVERY_STEPS,
     ROUTINGS,
@@ -18,11 +19,14 @@ from pdserve.router.config import (
     BreakerConfig,
     RecoveryConfig,
 )
+from pdserve.router.interference import SLOConfig
 
 _BREAKER = BreakerConfig()
 _RECOVERY = RecoveryConfig()
 _AFFINITY = AffinityConfig()
 _ENGINE_DEFAULTS = EngineConfig()
+_SLO = SLOConfig()
+_AUTO = AutoConfig()
 
 
 def add_policy_flags(p: argparse.ArgumentParser, max_model_len: bool = True) -> None:
@@ -84,6 +88,43 @@ def add_policy_flags(p: argparse.ArgumentParser, max_model_len: bool = True) -> 
         help="uncached prompt tokens a decode worker holding the rest prefills itself (0: never)",
     )
     a.add_argument("--max-sessions", type=int, default=_AFFINITY.max_sessions)
+    s = p.add_argument_group("SLOs (attainment metrics, pdserve top, --mode auto)")
+    s.add_argument("--slo-ttft-ms", type=float, default=_SLO.ttft_s * 1e3)
+    s.add_argument("--slo-tpot-ms", type=float, default=_SLO.tpot_s * 1e3)
+    au = p.add_argument_group("automatic mode (--mode auto)")
+    au.add_argument("--auto-interval-s", type=float, default=_AUTO.interval_s)
+    au.add_argument(
+        "--auto-window-s",
+        type=float,
+        default=_AUTO.window_s,
+        help="seconds of live figures each decision (and the attainment gauges) covers",
+    )
+    au.add_argument(
+        "--auto-min-dwell-s",
+        type=float,
+        default=_AUTO.min_dwell_s,
+        help="no change of mode or ratio within this long of the previous one",
+    )
+    au.add_argument(
+        "--auto-sustain",
+        type=int,
+        default=_AUTO.sustain,
+        help="consecutive evaluations that must propose the same change",
+    )
+    au.add_argument("--auto-min-requests", type=int, default=_AUTO.min_requests)
+    au.add_argument("--auto-target-attainment", type=float, default=_AUTO.target_attainment)
+    au.add_argument(
+        "--auto-low-water",
+        type=float,
+        default=_AUTO.low_water,
+        help="back to colocated below this fraction of the prompt tokens/s at the split",
+    )
+    au.add_argument(
+        "--auto-split-backoff-s",
+        type=float,
+        default=_AUTO.split_backoff_s,
+        help="after a split was undone for not helping, no new split for this long",
+    )
     r = p.add_argument_group("recovery after a failed handoff")
     r.add_argument(
         "--recovery",

@@ -8,7 +8,8 @@ child by PID, waits, and SIGKILLs what is left, so no process and no port outliv
 
 Decode workers run with role `both`: they take transferred KV in disaggregated mode and whole
 requests in colocated mode, which is what makes the rollback switch (`POST /admin/mode`) work
-without restarting anything.
+without restarting anything. With `--mode auto` every worker is `both` (no prefill-only ones)
+and the router gives them prefill and decode roles itself when interference calls for it.
 """
 
 from __future__ import annotations
@@ -55,8 +56,13 @@ class UpConfig:
     state_file: Path = field(default_factory=lambda: default_state_file())
 
     def __post_init__(self) -> None:
-        if self.mode not in ("disagg", "colocated"):
-            raise ConfigError(f"mode: {self.mode!r} is not one of disagg, colocated")
+        if self.mode not in ("disagg", "colocated", "auto"):
+            raise ConfigError(f"mode: {self.mode!r} is not one of disagg, colocated, auto")
+        if self.mode == "auto" and self.num_prefill != 0:
+            raise ConfigError(
+                f"prefill: auto mode gives `both` workers their roles itself; start them with"
+                f" --decode N and --prefill 0, got --prefill {self.num_prefill}"
+            )
         if self.num_decode < 1:
             raise ConfigError(
                 f"decode: at least one decode worker is needed, got {self.num_decode}"
@@ -242,8 +248,25 @@ class Cluster:
         return 0
 
 
+def check_router_args(config: UpConfig) -> None:
+    """Parse the router's flags as the router will, before any process starts: a bad
+    `--router-arg` (an SLO out of range, say) is refused now, naming the flag, instead of
+    after the workers are up."""
+    from pdserve.router.main import config_from_args
+
+    args = ["--worker", "http://127.0.0.1:1", "--mode", config.mode, *config.router_args]
+    args += ["--model", config.model] if config.model else []
+    try:
+        config_from_args(args)
+    except SystemExit:  # argparse already said why (an unknown flag, a bad number)
+        raise ConfigError(
+            f"router-arg: `pdserve router` refused {list(config.router_args)}"
+        ) from None
+
+
 def run_up(config: UpConfig) -> int:
     """The `pdserve up` command."""
+    check_router_args(config)
     cluster = Cluster(config)
     try:
         url = cluster.start()

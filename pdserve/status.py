@@ -50,6 +50,8 @@ class WorkerRow:
     routable: bool | None = None
     # Letter of the worker's fingerprint group ("A" is the largest), None when down.
     group: str | None = None
+    # The role the router gave this `both` worker (auto mode or /admin/mode), if any.
+    assigned_role: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +85,8 @@ class ClusterStatus:
     groups: tuple[FingerprintGroup, ...] = ()
     # Why the router is degraded (e.g. pools whose fingerprints cannot pair), as it says.
     problems: tuple[str, ...] = ()
+    # "auto" while the router's automatic mode decides; else the mode (None: older router).
+    mode_setting: str | None = None
 
 
 def _get_json(url: str, timeout_s: float) -> dict[str, Any]:
@@ -140,7 +144,11 @@ def collect_status(router_url: str, timeout_s: float = 3.0) -> ClusterStatus:
     rows: list[WorkerRow] = []
     for entry in entries:
         url = str(entry["url"])
-        seen = {"num_inflight": entry.get("num_inflight"), "routable": entry.get("healthy")}
+        seen = {
+            "num_inflight": entry.get("num_inflight"),
+            "routable": entry.get("healthy"),
+            "assigned_role": _str_or_none(entry.get("assigned_role")),
+        }
         try:
             h = WorkerHealth.model_validate(_get_json(f"{url}/health", timeout_s))
         except Exception as exc:  # any failure means: show it as down, with why
@@ -189,6 +197,7 @@ def collect_status(router_url: str, timeout_s: float = 3.0) -> ClusterStatus:
         compatible_digest=compatible,
         groups=groups,
         problems=tuple(str(p) for p in router.get("problems") or ()),
+        mode_setting=_str_or_none(router.get("mode_setting")),
     )
 
 
@@ -220,9 +229,12 @@ def _cell(value: object) -> str:
 def render_table(status: ClusterStatus) -> str:
     """A fixed-width table; fingerprints shortened to 12 hex digits, grouped by letter."""
     rate = status.breaker_failure_rate
+    mode = status.mode
+    if status.mode_setting is not None and status.mode_setting != status.mode:
+        mode = f"{status.mode_setting} ({status.mode} now)"
     lines = [
         f"router {status.router_url}  pid {status.router_pid}  status {status.status}  "
-        f"mode {status.mode}  effective {_cell(status.effective_mode)}  "
+        f"mode {mode}  effective {_cell(status.effective_mode)}  "
         f"breaker {_cell(status.breaker_state)}"
         + ("" if rate is None else f" ({rate:.0%} failed)")
         + f"  model {status.model}",
@@ -235,6 +247,8 @@ def render_table(status: ClusterStatus) -> str:
             continue
         blocks = f"{w.num_free_blocks}/{w.num_blocks}"
         role = w.role or ""
+        if w.assigned_role is not None:
+            role = f"{w.assigned_role}*"  # a `both` worker the router uses in this role
         if w.routable is False:
             role += "!"  # answers us, but the router will not choose it now
         lines.append(
@@ -250,5 +264,7 @@ def render_table(status: ClusterStatus) -> str:
             f" {', '.join(g.worker_ids)} ({mark})"
             + (f"; differs: {'; '.join(g.differs)}" if g.differs else "")
         )
+    if any(w.assigned_role is not None for w in status.workers):
+        lines.append("* role assigned by the router to a `both` worker (auto mode or /admin/mode)")
     lines += [f"problem: {p}" for p in status.problems]
     return "\n".join(lines)

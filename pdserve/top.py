@@ -3,7 +3,9 @@
 Each frame is `pdserve status` (workers, roles, groups, blocks, load, breaker, mode) followed
 by the router's request figures from its /metrics: totals, rates since the previous frame,
 TTFT / handoff-gap / TPOT quantiles (bucket upper bounds, so coarse), retries, fallbacks and
-migrations. Plain ANSI: the screen is cleared and redrawn (`--once` prints one frame without
+migrations; then interference (decode TPOT of tokens whose engine step carried prefill
+tokens against those whose step did not: exact means, bucket quantiles), SLO attainment over
+the router's live window, and the automatic mode's layout and decisions. Plain ANSI: the screen is cleared and redrawn (`--once` prints one frame without
 escape codes, for scripts and tests). Rendering a frame is pure; `run_top` does the I/O.
 """
 
@@ -81,6 +83,61 @@ def render_metrics(
     return lines
 
 
+def _labelled(samples: Sequence[Sample], **labels: str) -> list[Sample]:
+    return [s for s in samples if all(s.label(k) == v for k, v in labels.items())]
+
+
+def render_interference(samples: Sequence[Sample]) -> list[str]:
+    """Decode TPOT with / without prefill in the step, SLO attainment, the automatic mode."""
+    name = m.ROUTER_DECODE_TPOT.name
+    lines: list[str] = []
+    if not any(s.name == f"{name}_count" for s in samples):
+        return lines  # a router without the live monitor
+    for label, text in (("with", "with prefill"), ("without", "without prefill")):
+        mine = _labelled(samples, prefill=label)
+        count = total(mine, f"{name}_count")
+        mean = total(mine, f"{name}_sum") / count if count else None
+        p50 = histogram_quantile(mine, name, 0.5)
+        p95 = histogram_quantile(mine, name, 0.95)
+        shown = "-" if mean is None else f"{mean * 1e3:.1f}ms"
+        lines.append(
+            f"decode tpot {text:<16} mean {shown:>9}  p50 {_ms(p50):>10}"
+            f"  p95 {_ms(p95):>10}  n {count:g}"
+        )
+    targets = {s.label("slo"): s.value for s in samples if s.name == m.ROUTER_SLO_TARGET.name}
+    attained = {s.label("slo"): s.value for s in samples if s.name == m.ROUTER_SLO_ATTAINMENT.name}
+    if targets:
+        window = "  ".join(
+            f"{k} {attained[k]:.2f}" if k in attained else f"{k} -"
+            for k in ("ttft", "tpot", "both")
+        )
+        outcomes = ", ".join(
+            f"{s.label('outcome')}={s.value:g}"
+            for s in samples
+            if s.name == m.ROUTER_SLO_REQUESTS.name and s.value
+        )
+        lines.append(
+            f"slo ttft {_ms(targets.get('ttft')).lstrip('≤')} tpot"
+            f" {_ms(targets.get('tpot')).lstrip('≤')}  window attainment {window}"
+            f"  since start {outcomes or '0'}"
+        )
+    roles = {s.label("role"): s.value for s in samples if s.name == m.ROUTER_AUTO_WORKERS.name}
+    if roles:
+        split = total(samples, m.ROUTER_AUTO_SPLIT.name) > 0
+        layout = (
+            f"split {roles.get('prefill', 0):g} prefill : {roles.get('decode', 0):g} decode"
+            if split
+            else f"colocated ({roles.get('both', 0):g} workers)"
+        )
+        changes = ", ".join(
+            f"{s.label('action')}/{s.label('reason')}={s.value:g}"
+            for s in samples
+            if s.name == m.ROUTER_AUTO_DECISIONS.name and s.label("action") != "keep" and s.value
+        )
+        lines.append(f"layout {layout}  changes {changes or 'none'}")
+    return lines
+
+
 def render_frame(
     status: ClusterStatus,
     samples: Sequence[Sample],
@@ -95,6 +152,7 @@ def render_frame(
             render_table(status),
             "",
             *render_metrics(samples, previous, interval_s),
+            *render_interference(samples),
         ]
     )
 

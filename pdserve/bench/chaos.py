@@ -42,13 +42,13 @@ from pdserve.bench.chaos_scenarios import (
     Trigger,
     judge,
     measure_outputs,
-    percentile,
     standard_workers,
 )
 from pdserve.bench.completion_client import Completion, OnTokens, stream_completion
 from pdserve.observability import metric_names
 from pdserve.observability.exposition import parse as parse_exposition
 from pdserve.observability.plot import load_pyplot, save_plot
+from pdserve.observability.stats import percentile
 
 log = logging.getLogger(__name__)
 

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdserve.errors import ConfigError
+from pdserve.observability.stats import percentile
 
 # Flags every chaos cluster gets: short leases so orphaned KV is visibly freed within a run,
 # yet longer than a reservation waits for its prefill on a loaded 2-core machine (at 2 s,
@@ -222,15 +223,6 @@ def lost_and_duplicated(reference: Sequence[int], received: Sequence[int]) -> tu
     """
     want, got = Counter(reference), Counter(received)
     return sum((want - got).values()), sum((got - want).values())
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100) by nearest rank; NaN for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
-    return ordered[rank - 1]
 
 
 @dataclass(slots=True)

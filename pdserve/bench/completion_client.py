@@ -32,6 +32,8 @@ class Completion:
     # Seconds from sending the request to the first token, and to the end of the stream.
     ttft_s: float | None = None
     latency_s: float = 0.0
+    # The text of the streamed chunks, concatenated.
+    text: str = ""
 
 
 async def stream_completion(
@@ -68,6 +70,7 @@ async def stream_completion(
                 if new and out.ttft_s is None:
                     out.ttft_s = time.perf_counter() - start
                 out.token_ids.extend(new)
+                out.text += choice.get("text") or ""
                 out.finish_reason = choice.get("finish_reason") or out.finish_reason
                 if on_tokens is not None and new:
                     await on_tokens(len(out.token_ids))

@@ -17,6 +17,10 @@ Poisson arrival time and waits for every stream to end. With `--plot`, the media
 request of each mode at the highest rate has its merged timeline fetched from
 `GET /debug/requests/{id}` before its cluster stops. The arithmetic lives in `serve_stats`,
 the drawing in `serve_plot`.
+
+`measure` (warm-up, rates in turn, arms rotated, records and summaries) and `run_rate` (one
+rate's Poisson run) are shared with `pdserve advise`, whose arms are one cluster switched
+between colocated and each P:D split (`Endpoint.prepare`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import math
 import os
 import tempfile
 import urllib.request
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +40,13 @@ from typing import Any
 import aiohttp
 
 from pdserve.bench.completion_client import stream_completion
+from pdserve.bench.flags import (
+    add_load_arguments,
+    add_output_arguments,
+    integer,
+    parse_load,
+    positive,
+)
 from pdserve.bench.serve_stats import (
     SLO,
     RateSummary,
@@ -99,12 +111,21 @@ class ServeReport:
 
 
 @dataclass(frozen=True, slots=True)
-class _Endpoint:
-    """A started cluster as the load generator sees it."""
+class Endpoint:
+    """A started cluster (or one arm of it) as the load generator sees it."""
 
+    # The name its rows carry in reports (a mode, or an advise arm such as "disagg-1:1").
     mode: str
     router_url: str
     model_name: str
+    # Awaited before each of this endpoint's runs (advise switches the router's roles here).
+    prepare: Callable[[aiohttp.ClientSession], Awaitable[None]] | None = None
+
+
+# The requests of one run (rate index, rate, endpoint, repeat index), and the warm-up of one
+# endpoint.
+WorkloadFn = Callable[[int, float, Endpoint, int], list[RequestSpec]]
+WarmupFn = Callable[[Endpoint], list[RequestSpec]]
 
 
 def _body(spec: RequestSpec, model_name: str) -> dict[str, object]:
@@ -118,9 +139,9 @@ def _body(spec: RequestSpec, model_name: str) -> dict[str, object]:
     }
 
 
-async def _run_rate(
+async def run_rate(
     session: aiohttp.ClientSession,
-    endpoint: _Endpoint,
+    endpoint: Endpoint,
     specs: list[RequestSpec],
     timeout_s: float,
 ) -> tuple[list[RequestRecord], float]:
@@ -150,31 +171,74 @@ async def _run_rate(
     return records, span_s
 
 
-async def _measure(config: ServeConfig, endpoints: list[_Endpoint]) -> ServeReport:
+def default_warmup(endpoint: Endpoint) -> list[RequestSpec]:
+    """One short request: the first request of a cluster pays one-off costs."""
+    return [RequestSpec(-1, 0.0, tuple(range(100, 164)), 8)]
+
+
+async def measure(
+    endpoints: Sequence[Endpoint],
+    rates: Sequence[float],
+    workload: WorkloadFn,
+    slo: SLO,
+    request_timeout_s: float,
+    timelines: bool = False,
+    warmup: WarmupFn = default_warmup,
+    repeats: int = 1,
+) -> ServeReport:
+    """Warm every endpoint up, then rate by rate run each endpoint's workload, the endpoints
+    taking turns with the first one rotating per rate and repeat; summaries in endpoint then
+    rate order. With `repeats` > 1 each rate is run that many times per endpoint, alternating
+    (A B B A ...), and summarised over all of them (goodput over the sum of the spans): a
+    background load that drifts during the run then hits every endpoint alike. With
+    `timelines`, the median-latency request of each endpoint at the highest rate has its
+    merged timeline fetched."""
     report = ServeReport()
-    top_rate = max(config.rates)
+    top_rate = max(rates)
     async with aiohttp.ClientSession() as session:
-        warm = RequestSpec(-1, 0.0, tuple(range(100, 164)), 8)
         for e in endpoints:
-            # The first request of a cluster pays one-off costs (allocations, connections).
-            await _run_rate(session, e, [warm], config.request_timeout_s)
-        for i, rate in enumerate(config.rates):
-            specs = build_workload(
-                rate, config.seed + i, config.shape, config.num_requests, config.duration_s
-            )
-            shift = i % len(endpoints)
-            for e in endpoints[shift:] + endpoints[:shift]:
-                records, span_s = await _run_rate(session, e, specs, config.request_timeout_s)
-                report.records[(e.mode, rate)] = records
-                report.summaries.append(summarize(e.mode, rate, records, span_s, config.slo))
+            if e.prepare is not None:
+                await e.prepare(session)
+            await run_rate(session, e, warmup(e), request_timeout_s)
+        for i, rate in enumerate(rates):
+            spans: dict[str, float] = {}
+            for rep in range(repeats):
+                shift = (i + rep) % len(endpoints)
+                for e in [*endpoints[shift:], *endpoints[:shift]]:
+                    if e.prepare is not None:
+                        await e.prepare(session)
+                    specs = workload(i, rate, e, rep)
+                    records, span_s = await run_rate(session, e, specs, request_timeout_s)
+                    report.records.setdefault((e.mode, rate), []).extend(records)
+                    spans[e.mode] = spans.get(e.mode, 0.0) + span_s
+            for e in endpoints:
+                records = report.records[(e.mode, rate)]
+                report.summaries.append(summarize(e.mode, rate, records, spans[e.mode], slo))
                 chosen = representative(records)
-                if config.plot_dir is not None and rate == top_rate and chosen is not None:
+                if timelines and rate == top_rate and chosen is not None:
                     report.timelines[e.mode] = await asyncio.to_thread(
                         _fetch_view, e.router_url, chosen.request_id
                     )
-    order = {m: k for k, m in enumerate(config.modes)}
+    order = {e.mode: k for k, e in enumerate(endpoints)}
     report.summaries.sort(key=lambda s: (order[s.mode], s.rate))
     return report
+
+
+async def _measure(config: ServeConfig, endpoints: list[Endpoint]) -> ServeReport:
+    def workload(i: int, rate: float, endpoint: Endpoint, repeat: int) -> list[RequestSpec]:
+        # The same seeded requests for every mode (seed + i: no rate finds another's prompts).
+        return build_workload(
+            rate, config.seed + i, config.shape, config.num_requests, config.duration_s
+        )
+
+    return await measure(
+        endpoints,
+        config.rates,
+        workload,
+        config.slo,
+        config.request_timeout_s,
+        timelines=config.plot_dir is not None,
+    )
 
 
 def _fetch_view(router_url: str, request_id: str | None) -> dict[str, Any]:
@@ -209,7 +273,7 @@ def run_serve(config: ServeConfig) -> ServeReport:
             router_url = cluster.start()
             with urllib.request.urlopen(f"{router_url}/health", timeout=10) as resp:
                 model_name = str(json.loads(resp.read())["model"])
-            endpoints.append(_Endpoint(mode, router_url, model_name))
+            endpoints.append(Endpoint(mode, router_url, model_name))
         return asyncio.run(_measure(config, endpoints))
     finally:
         for cluster in started:
@@ -220,8 +284,36 @@ def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def rows_json(report: ServeReport, label: str = "mode") -> dict[str, list[dict[str, object]]]:
+    """A report's summaries (`results`, NaN as null) and every request (`requests`, keyed by
+    `label`: "mode" here, "arm" in `pdserve advise`) for a `--json` document."""
+    return {
+        "results": [
+            {k: _finite(v) if isinstance(v, float) else v for k, v in asdict(s).items()}
+            for s in report.summaries
+        ],
+        "requests": [
+            {label: name, "rate": rate, **asdict(r), "tpot_s": r.tpot_s}
+            for (name, rate), records in report.records.items()
+            for r in records
+        ],
+    }
+
+
+def prepare_run(plot_dir: Path | None) -> None:
+    """Before a benchmark starts anything: a missing plot extra fails now, not after minutes
+    of measuring; worker processes get one intra-op thread each (they share the cores)."""
+    if plot_dir is not None:
+        from pdserve.observability.plot import load_pyplot
+
+        load_pyplot()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+
 def report_json(config: ServeConfig, report: ServeReport) -> dict[str, object]:
     """The `--json` document: config, one summary per (mode, rate), ratios, every request."""
+    rows = rows_json(report)
     return {
         "config": {
             "rates": list(config.rates),
@@ -234,31 +326,18 @@ def report_json(config: ServeConfig, report: ServeReport) -> dict[str, object]:
             "seed": config.seed,
             "clusters": {m: asdict(MODES[m]) for m in config.modes},
         },
-        "results": [
-            {k: _finite(v) if isinstance(v, float) else v for k, v in asdict(s).items()}
-            for s in report.summaries
-        ],
+        "results": rows["results"],
         "goodput_ratio_disagg_over_colocated": {
             str(rate): ratio for rate, ratio in goodput_ratios(report.summaries).items()
         },
-        "requests": [
-            {"mode": mode, "rate": rate, **asdict(r), "tpot_s": r.tpot_s}
-            for (mode, rate), records in report.records.items()
-            for r in records
-        ],
+        "requests": rows["requests"],
     }
 
 
 def run_serve_bench(args: argparse.Namespace) -> int:
     """The `pdserve bench serve` command."""
     config = config_from_args(args)
-    if config.plot_dir is not None:
-        from pdserve.observability.plot import load_pyplot
-
-        load_pyplot()  # a missing extra fails now, not after minutes of measuring
-    # Several workers share the machine's cores: one intra-op thread each (inherited).
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault("MKL_NUM_THREADS", "1")
+    prepare_run(config.plot_dir)
     report = run_serve(config)
     print(render_table(report.summaries, config.slo))
     print()
@@ -275,67 +354,25 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_floats(flag: str, text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(part) for part in text.split(","))
-    except ValueError:
-        raise ConfigError(f"{flag}: expected comma-separated numbers > 0, got {text!r}") from None
-    if not all(math.isfinite(v) and v > 0 for v in values):
-        raise ConfigError(f"{flag}: expected comma-separated numbers > 0, got {text!r}")
-    return values
-
-
-def _positive(flag: str, text: str | None) -> float | None:
-    if text is None:
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        raise ConfigError(f"{flag}: expected a number > 0, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise ConfigError(f"{flag}: expected a number > 0, got {text!r}")
-    return value
-
-
-def _int(flag: str, text: str | None, low: int) -> int | None:
-    if text is None:
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise ConfigError(f"{flag}: expected an integer >= {low}, got {text!r}") from None
-    if value < low:
-        raise ConfigError(f"{flag}: expected an integer >= {low}, got {text!r}")
-    return value
-
-
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """The validated config; a bad value raises ConfigError naming its flag."""
     d = ServeConfig()
-    rates = _positive_floats("--rates", args.rates)
-    if len(set(rates)) != len(rates):
-        raise ConfigError(f"--rates: each rate once, got {args.rates!r}")
+    load = parse_load(args, d.duration_s or 10.0)
     modes = tuple(m.strip() for m in args.modes.split(","))
     unknown = [m for m in modes if m not in MODES]
     if unknown or len(set(modes)) != len(modes):
         raise ConfigError(
             f"--modes: expected distinct names from {','.join(MODES)}, got {args.modes!r}"
         )
-    num_requests = _int("--num-requests", args.num_requests, 1)
-    duration_s = _positive("--duration-s", args.duration_s)
-    if num_requests is not None and duration_s is not None:
-        raise ConfigError("--num-requests: give it or --duration-s, not both")
-    if num_requests is None and duration_s is None:
-        duration_s = d.duration_s
-    ttft_ms = _positive("--ttft-slo-ms", args.ttft_slo_ms) or 0.0
-    tpot_ms = _positive("--tpot-slo-ms", args.tpot_slo_ms) or 0.0
+    ttft_ms = positive("--ttft-slo-ms", args.ttft_slo_ms) or 0.0
+    tpot_ms = positive("--tpot-slo-ms", args.tpot_slo_ms) or 0.0
     return ServeConfig(
-        rates=rates,
-        num_requests=num_requests,
-        duration_s=duration_s,
+        rates=load.rates,
+        num_requests=load.num_requests,
+        duration_s=load.duration_s,
         modes=modes,
         slo=SLO(ttft_s=ttft_ms / 1e3, tpot_s=tpot_ms / 1e3),
-        seed=_int("--seed", args.seed, 0) or 0,
+        seed=integer("--seed", args.seed, 0) or 0,
         model=args.model,
         json_path=args.json,
         plot_dir=args.plot,
@@ -345,19 +382,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The command's flags; values are checked by `config_from_args` (one line naming the flag)."""
     d = ServeConfig()
-    p.add_argument(
-        "--rates",
-        default=",".join(f"{r:g}" for r in d.rates),
-        help="comma-separated request rates per second (Poisson arrivals)",
-    )
-    p.add_argument(
-        "--duration-s",
-        default=None,
-        help=f"seconds of arrivals per rate (default {d.duration_s:g})",
-    )
-    p.add_argument(
-        "--num-requests", default=None, help="requests per rate (instead of --duration-s)"
-    )
+    add_load_arguments(p, d.rates, d.duration_s or 10.0, "rate")
     p.add_argument(
         "--modes", default=",".join(d.modes), help="comma-separated, from disagg,colocated"
     )
@@ -368,17 +393,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--tpot-slo-ms", default=f"{d.slo.tpot_s * 1e3:g}", help="time per output token SLO"
     )
     p.add_argument("--seed", default=str(d.seed), help="seed of arrivals and prompts")
-    p.add_argument(
-        "--model", default=None, help="Hugging Face model folder (default: tiny built-in)"
-    )
-    p.add_argument(
-        "--json", type=Path, default=None, metavar="FILE", help="also write the results here"
-    )
-    p.add_argument(
-        "--plot",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="write PNGs here: goodput/attainment vs rate, latency CDFs, one request's phases"
+    add_output_arguments(
+        p,
+        "write PNGs here: goodput/attainment vs rate, latency CDFs, one request's phases"
         " (needs pdserve[plot])",
     )

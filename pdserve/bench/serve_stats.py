@@ -14,7 +14,7 @@ Per (mode, rate): a request *meets the SLOs* when it finished without error, TTF
 SLO and TPOT ≤ the TPOT SLO. Attainment = requests meeting them / requests sent (a failed
 request is a miss, never left out). Goodput = requests meeting them / the measured span (first
 send → last end of stream); throughput = completed requests / the same span. Percentiles are
-nearest-rank over completed requests (`chaos_scenarios.percentile`), NaN when there are none.
+nearest-rank over completed requests (`observability.stats.percentile`), NaN when there are none.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.bench.chaos_scenarios import percentile
 from pdserve.errors import ConfigError
+from pdserve.observability.stats import percentile
 
 # Ordinary token ids of the tiny model, clear of its special tokens (as `bench multiturn`).
 VOCAB = (40, 2000)

@@ -14,8 +14,9 @@ Hooks for disaggregation, used by the worker and transfer layers (never by the s
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +30,7 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.step_stats import StepFacts, StepTotals, count_tokens, is_decode_slice
 from pdserve.errors import ConfigError, PromptTooLong, SamplingParamsError
 from pdserve.model.loader import LoadedModel, load_model
 
@@ -48,6 +50,11 @@ class RequestDelta:
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
     # Prompt tokens served from the prefix cache when the request was admitted.
     num_cached_tokens: int = 0
+    # The step that produced the token (None for deltas made outside a step: abort, errors).
+    step: StepFacts | None = None
+    # True when this request's share of that step was a decode slice (one token after an
+    # output token), so the token's wait measures decode time per output token.
+    decode: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +79,8 @@ class EngineStats:
     num_remote_kv_blocks_total: int = 0
     num_remote_cached_tokens_total: int = 0
     kv_block_bytes: int = 0
+    # Steps run, per kind, with their seconds and the busy time of each phase.
+    steps: StepTotals = field(default_factory=StepTotals)
 
 
 class Engine:
@@ -116,6 +125,7 @@ class Engine:
         self.grammars = GrammarCompiler(
             model.tokenizer.to_json, model.config.vocab_size, model.eos_token_ids
         )
+        self.step_totals = StepTotals()
 
     @classmethod
     def from_config(cls, config: EngineConfig, clock: Clock | None = None) -> Engine:
@@ -276,10 +286,24 @@ class Engine:
     # ---- the loop ------------------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:
-        """Run one scheduled step; returns the new tokens of every request that got one."""
+        """Run one scheduled step; returns the new tokens of every request that got one.
+
+        Each delta carries the step's facts (`StepFacts`: duration, prefill and decode tokens)
+        and whether its request's slice was a decode slice; `step_totals` counts every step.
+        """
+        start_ns = self.clock.now_ns()
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
+        # Classified before the step runs: sampling below appends output tokens.
+        decode_ids = {
+            s.request.request_id
+            for s in out.scheduled
+            if is_decode_slice(s.num_new_tokens, s.request.num_output_tokens)
+        }
+        num_prefill, num_decode = count_tokens(
+            (s.num_new_tokens, s.request.num_output_tokens) for s in out.scheduled
+        )
         tables = {
             s.request.request_id: self.block_manager.block_ids(s.request.request_id)
             for s in out.scheduled
@@ -287,6 +311,10 @@ class Engine:
         result = self.runner.run(out, tables)
         self.scheduler.update_after_step(out)
         now = self.clock.now_ns()
+        facts = StepFacts(
+            self.step_totals.num_steps, (now - start_ns) / 1e9, num_prefill, num_decode
+        )
+        self.step_totals.observe(facts)
         deltas: list[RequestDelta] = []
         for s in out.scheduled:
             request = s.request
@@ -320,6 +348,8 @@ class Engine:
                     logprobs=() if sampled.logprobs is None else (sampled.logprobs,),
                     prompt_logprobs=prompt_logprobs,
                     num_cached_tokens=request.num_cached_tokens,
+                    step=facts,
+                    decode=request.request_id in decode_ids,
                 )
             )
         return deltas
@@ -372,4 +402,5 @@ class Engine:
             num_remote_kv_blocks_total=sch.num_remote_kv_blocks_total,
             num_remote_cached_tokens_total=sch.num_remote_cached_tokens_total,
             kv_block_bytes=self.kv_cache.block_bytes,
+            steps=dataclasses.replace(self.step_totals),
         )

@@ -103,6 +103,54 @@ ROUTER_BREAKER_STATE = _spec(
 ROUTER_BREAKER_TRANSITIONS = _spec(
     "pdserve_router_breaker_transitions_total", "counter", "Breaker state changes.", "from", "to"
 )
+# ---- router: prefill-decode interference and SLOs (`router/interference.py`) ------------------
+ROUTER_DECODE_TPOT = _spec(
+    "pdserve_router_decode_tpot_seconds",
+    "histogram",
+    "Decode time per output token at the router, one sample per decode token, by whether"
+    " prefill tokens shared the engine step that produced it (with / without).",
+    "prefill",
+)
+ROUTER_DECODE_STEP = _spec(
+    "pdserve_router_decode_step_seconds",
+    "histogram",
+    "Engine step time of each decode token as its worker reported it, by whether prefill"
+    " tokens shared that step (with / without).",
+    "prefill",
+)
+ROUTER_SLO_REQUESTS = _spec(
+    "pdserve_router_slo_requests_total",
+    "counter",
+    "Requests whose flow ended, by outcome against the TTFT and TPOT SLOs (met, missed_ttft,"
+    " missed_tpot, missed_both, failed).",
+    "outcome",
+)
+ROUTER_SLO_ATTAINMENT = _spec(
+    "pdserve_router_slo_attainment",
+    "gauge",
+    "Fraction of requests ended in the live window that met the SLO (ttft, tpot, both).",
+    "slo",
+)
+ROUTER_SLO_TARGET = _spec(
+    "pdserve_router_slo_target_seconds", "gauge", "The configured SLOs (ttft, tpot).", "slo"
+)
+# ---- router: automatic mode (`--mode auto`, `router/auto_mode.py`) ----------------------------
+ROUTER_AUTO_DECISIONS = _spec(
+    "pdserve_router_auto_decisions_total",
+    "counter",
+    "Decisions of the automatic mode that changed mode or ratio, by action and reason.",
+    "action",
+    "reason",
+)
+ROUTER_AUTO_WORKERS = _spec(
+    "pdserve_router_auto_workers",
+    "gauge",
+    "Workers the automatic mode assigns to each role now (prefill, decode; colocated: both).",
+    "role",
+)
+ROUTER_AUTO_SPLIT = _spec(
+    "pdserve_router_auto_split", "gauge", "1 while the automatic mode runs split, 0 colocated."
+)
 # ---- router: its view of each worker (from the last /health poll) -----------------------------
 ROUTER_WORKER_UP = _spec(
     "pdserve_router_worker_up", "gauge", "1 if the worker's last health poll succeeded.",
@@ -326,6 +374,30 @@ WORKER_ADMISSION_REFUSALS = _spec(
     "counter",
     "requests refused with 503 because the waiting queue was full",
     *_W,
+)
+# Engine steps (prefill-decode interference): rendered by `pdserve.worker.step_report`.
+WORKER_STEPS = _spec(
+    "pdserve_worker_steps_total",
+    "counter",
+    "engine steps, by what shared the batch: decode (decode only), prefill (prefill only),"
+    " mixed (prefill tokens with decode tokens)",
+    *_W,
+    "batch",
+)
+WORKER_STEP_SECONDS = _spec(
+    "pdserve_worker_step_seconds_total",
+    "counter",
+    "seconds spent in engine steps, by what shared the batch",
+    *_W,
+    "batch",
+)
+WORKER_PHASE_BUSY_SECONDS = _spec(
+    "pdserve_worker_phase_busy_seconds_total",
+    "counter",
+    "engine seconds attributed to each phase (of a mixed step, decode gets what a decode-only"
+    " step costs, prefill the rest)",
+    *_W,
+    "phase",
 )
 
 ALL: tuple[MetricSpec, ...] = tuple(

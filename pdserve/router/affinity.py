@@ -266,7 +266,7 @@ def _has_room(w: WorkerView, query: RouteQuery) -> bool:
 
 
 def _role(w: WorkerView) -> str | None:
-    return None if w.health is None else w.health.role
+    return w.role
 
 
 def _rotate(found: Sequence[WorkerView], ticket: int) -> list[WorkerView]:

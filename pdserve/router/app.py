@@ -1,8 +1,8 @@
 """The router's aiohttp application: wiring, error mapping, auth, and the non-OpenAI routes.
 
-Routes: the OpenAI ones (`openai_api`), `GET /health` (router and workers summary, mode),
-`GET /metrics` (Prometheus), `POST /admin/mode {"mode": "disagg"|"colocated"}`,
-`GET /debug/requests/{id}` (a recent request's timeline).
+Routes: the OpenAI ones (`openai_api`), `GET /health` (router and workers summary, mode,
+automatic mode and live figures), `GET /metrics` (Prometheus), `POST /admin/mode` and
+`GET /admin/auto` (`mode_control`), `GET /debug/requests/{id}` (a recent request's timeline).
 
 Life cycle: `create_app` must run inside the event loop (it opens the one shared
 `aiohttp.ClientSession`); startup polls every worker once, then keeps polling; cleanup stops
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Middleware
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from pdserve.clock import MonotonicClock
 from pdserve.errors import (
@@ -40,6 +40,7 @@ from pdserve.observability import otel
 from pdserve.router import debug_view
 from pdserve.router import metrics as metrics_mod
 from pdserve.router.affinity import AffinityPolicy
+from pdserve.router.auto_controller import AutoController
 from pdserve.router.breaker import CircuitBreaker
 from pdserve.router.capacity_queue import CapacityQueue
 from pdserve.router.colocated import ColocatedFlow
@@ -47,7 +48,9 @@ from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.disagg import DisaggFlow, Handoff
 from pdserve.router.dispatcher import Dispatcher
 from pdserve.router.flow import Flow
+from pdserve.router.live_monitor import LiveMonitor
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.mode_control import AutoView, ModeControl
 from pdserve.router.model_check import describe, model_mismatch, router_model_fields
 from pdserve.router.openai_api import OpenAIApi, error_body
 from pdserve.router.policy import (
@@ -58,6 +61,7 @@ from pdserve.router.policy import (
     rank_decode,
 )
 from pdserve.router.pool import WorkerPool
+from pdserve.router.roles import AssignedPool, RoleOverlay
 from pdserve.router.tokenize_api import TokenizeApi
 from pdserve.router.worker_client import ClientTimeouts, WorkerClient
 from pdserve.worker.protocol import WorkerHealth
@@ -73,6 +77,8 @@ class WorkerSummary(BaseModel):
     healthy: bool
     worker_id: str | None
     role: str | None
+    # The role the router gave this `both` worker (split by auto mode or an operator), if any.
+    assigned_role: str | None = None
     fingerprint_digest: str | None
     num_free_blocks: int | None
     num_running: int | None
@@ -106,14 +112,18 @@ class RouterHealth(BaseModel):
     status: str
     problems: list[str]
     pid: int
-    # The operator's mode, and the one new requests get now (colocated while the breaker is open).
+    # The mode new requests begin in (set by the operator or the automatic mode), and the one
+    # they get now (colocated while the breaker is open); `mode_setting` is "auto" while the
+    # automatic mode decides.
     mode: Mode
     effective_mode: Mode
+    mode_setting: str
     breaker: BreakerView
     model: str
     compatible_digest: str | None
     fingerprint_groups: list[FingerprintGroupView]
     workers: list[WorkerSummary]
+    auto: AutoView
 
 
 class BreakerView(BaseModel):
@@ -125,13 +135,6 @@ class BreakerView(BaseModel):
     last_transition: str | None
 
 
-class ModeChange(BaseModel):
-    """POST /admin/mode body and answer."""
-
-    mode: Mode
-    previous: Mode | None = None
-
-
 class _Routes:
     """Handlers of the router's own routes."""
 
@@ -141,12 +144,14 @@ class _Routes:
         pool: WorkerPool,
         dispatcher: Dispatcher,
         metrics: RouterMetrics,
+        modes: ModeControl,
         client: WorkerClient | None = None,
     ) -> None:
         self._config = config
         self._pool = pool
         self._dispatcher = dispatcher
         self._metrics = metrics
+        self._modes = modes
         # Asks workers for their timeline events (None: the router's transitions only).
         self._client = client
 
@@ -167,6 +172,7 @@ class _Routes:
                 healthy=v.healthy,
                 worker_id=v.health.worker_id if v.health else None,
                 role=v.health.role if v.health else None,
+                assigned_role=v.assigned_role,
                 fingerprint_digest=v.health.fingerprint_digest if v.health else None,
                 num_free_blocks=v.health.num_free_blocks if v.health else None,
                 num_running=v.health.num_running if v.health else None,
@@ -197,11 +203,13 @@ class _Routes:
             pid=os.getpid(),
             mode=mode,
             effective_mode=self._dispatcher.effective_mode,
+            mode_setting=self._modes.setting,
             breaker=self._breaker_view(),
             model=self._config.model_name,
             compatible_digest=compatible_digest(views),
             fingerprint_groups=groups,
             workers=workers,
+            auto=self._modes.view(),
         )
         return web.json_response(text=body.model_dump_json())
 
@@ -227,17 +235,6 @@ class _Routes:
         return web.Response(
             body=self._metrics.render().encode(),
             headers={"Content-Type": metrics_mod.CONTENT_TYPE},
-        )
-
-    async def set_mode(self, request: web.Request) -> web.Response:
-        try:
-            change = ModeChange.model_validate_json(await request.read())
-        except ValidationError as exc:
-            raise InvalidRequest(f"mode: {exc.errors()[0]['msg']}", "mode") from exc
-        previous = self._dispatcher.set_mode(change.mode)
-        log.info("mode %s -> %s", previous, change.mode)
-        return web.json_response(
-            text=ModeChange(mode=change.mode, previous=previous).model_dump_json()
         )
 
     async def timeline(self, request: web.Request) -> web.Response:
@@ -335,13 +332,15 @@ async def create_app(config: RouterConfig) -> web.Application:
         diff = model_mismatch(model_fields, health.fingerprint)
         return describe(diff) if diff else None
 
-    pool = WorkerPool(
+    # Roles the router assigns to `both` workers (auto mode, `POST /admin/mode` num_prefill).
+    pool = AssignedPool(
         (),
         client,
         config.health_poll_interval_s,
         membership=membership,
         model_check=model_check,
         on_capacity=queue.notify,
+        overlay=RoleOverlay(),
     )
     # One placement policy for both flows: a conversation keeps its worker across modes.
     affinity = AffinityPolicy(config.affinity)
@@ -364,14 +363,21 @@ async def create_app(config: RouterConfig) -> web.Application:
     }
     breaker = CircuitBreaker(config.breaker, MonotonicClock())
     metrics = RouterMetrics(breaker=breaker, workers=lambda: metrics_mod.worker_gauges(pool))
+    monitor = LiveMonitor(config.slo, config.auto.window_s)
     dispatcher = Dispatcher(
-        config.mode,
+        config.initial_mode,
         flows,
         breaker=breaker,
         metrics=metrics,
         max_timelines=config.timeline_ring,
         span_hook=otel.request_span_hook(),  # None unless OpenTelemetry is installed
+        monitor=monitor,
     )
+    controller = AutoController(
+        config.auto, monitor, pool, dispatcher, enabled=config.mode == "auto"
+    )
+    modes = ModeControl(dispatcher, pool, controller)
+    metrics.extra = [monitor.render, controller.render]
 
     def record_kv_outcome(outcome: Handoff, reason: str) -> None:
         metrics.kv_handoffs[outcome.value] += 1
@@ -382,11 +388,12 @@ async def create_app(config: RouterConfig) -> web.Application:
     metrics.handoff_spikes = api.spikes.counts
     api.add_routes(app)
     TokenizeApi(tokenizer, max_model_len, config.accepted_model_names).add_routes(app)
-    routes = _Routes(config, pool, dispatcher, metrics, client=client)
+    routes = _Routes(config, pool, dispatcher, metrics, modes, client=client)
     app.router.add_get("/health", routes.health)
     app.router.add_get("/ready", routes.ready)
     app.router.add_get("/metrics", routes.metrics)
-    app.router.add_post("/admin/mode", routes.set_mode)
+    app.router.add_post("/admin/mode", modes.set_mode)
+    app.router.add_get("/admin/auto", modes.get_auto)
     app.router.add_get("/debug/requests/{request_id}", routes.timeline)
 
     async def on_startup(_: web.Application) -> None:
@@ -399,8 +406,10 @@ async def create_app(config: RouterConfig) -> web.Application:
                 + "; ".join(problems)
                 + " (start the router with the workers' --model, or fix the workers)"
             )
+        controller.start()
 
     async def on_cleanup(_: web.Application) -> None:
+        await controller.stop()
         await pool.stop()
         await session.close()
 

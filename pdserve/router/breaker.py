@@ -83,6 +83,14 @@ class CircuitBreaker:
         self._probe_at = now
         return True
 
+    def cooldown_over(self) -> bool:
+        """True when the breaker is open and its cooldown has passed: the next `admit()` lets
+        a half-open probe through (a read; nothing changes)."""
+        return (
+            self.state is BreakerState.OPEN
+            and self._clock.now() - self._opened_at >= self._config.cooldown_s
+        )
+
     def record(self, ok: bool, reason: str = "") -> None:
         """One handoff's outcome."""
         if not self._config.enabled:

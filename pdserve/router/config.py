@@ -10,9 +10,15 @@ from pdserve.auth.secret import ClusterSecret
 from pdserve.errors import ConfigError
 from pdserve.faults import parse_rules
 from pdserve.membership.uri import parse_discovery
+from pdserve.router.auto_mode import AutoConfig
+from pdserve.router.interference import SLOConfig
 
+# The path a request takes; fixed when it begins.
 Mode = Literal["disagg", "colocated"]
 MODES: tuple[Mode, ...] = ("disagg", "colocated")
+# What the router is set to: a mode, or "auto" (it picks colocated or a split itself).
+ModeSetting = Literal["disagg", "colocated", "auto"]
+MODE_SETTINGS: tuple[ModeSetting, ...] = ("disagg", "colocated", "auto")
 
 
 def parse_mode(value: str) -> Mode:
@@ -21,6 +27,14 @@ def parse_mode(value: str) -> Mode:
         if value == mode:
             return mode
     raise ConfigError(f"mode: {value!r} is not one of {', '.join(MODES)}")
+
+
+def parse_mode_setting(value: str) -> ModeSetting:
+    """`value` as a ModeSetting (a mode or "auto"); ConfigError naming it otherwise."""
+    for setting in MODE_SETTINGS:
+        if value == setting:
+            return setting
+    raise ConfigError(f"mode: {value!r} is not one of {', '.join(MODE_SETTINGS)}")
 
 
 # Recovery steps after a failed KV handoff, in the order the router may try them:
@@ -151,7 +165,8 @@ class RouterConfig:
     workers: tuple[str, ...]
     # Folder with the tokenizer and config.json; its name is the served model name.
     model: Path
-    mode: Mode = "disagg"
+    # "auto": start colocated and let `router/auto_controller.py` split and rejoin the pool.
+    mode: ModeSetting = "disagg"
     host: str = "127.0.0.1"
     # 0 picks a free port (reported through ready_file).
     port: int = 0
@@ -185,6 +200,10 @@ class RouterConfig:
     chat_template: str | None = None
     # Drop unknown top-level request fields (logged) instead of answering 400.
     allow_unknown_fields: bool = False
+    # The latency targets the router measures attainment against (and auto mode keeps).
+    slo: SLOConfig = field(default_factory=SLOConfig)
+    # Thresholds and hysteresis of the automatic mode; its window is also the live window.
+    auto: AutoConfig = field(default_factory=AutoConfig)
 
     def __post_init__(self) -> None:
         parse_rules(self.faults)  # a bad rule fails at start, named
@@ -197,7 +216,7 @@ class RouterConfig:
         for url in self.workers:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"worker: {url!r} is not an http(s) URL")
-        parse_mode(self.mode)
+        parse_mode_setting(self.mode)
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port: must be in 0..65535, got {self.port}")
         if self.request_timeout_s <= 0:
@@ -226,6 +245,11 @@ class RouterConfig:
     def reservation_key(self) -> bytes | None:
         """Key of the reservation signatures prefill workers check."""
         return None if self.cluster_secret is None else self.cluster_secret.key("reservation")
+
+    @property
+    def initial_mode(self) -> Mode:
+        """The mode requests begin in at start (auto starts colocated)."""
+        return "colocated" if self.mode == "auto" else self.mode
 
     @property
     def model_name(self) -> str:

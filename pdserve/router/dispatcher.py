@@ -26,6 +26,7 @@ from pdserve.observability.timeline_log import TimelineEvent, emit
 from pdserve.router.breaker import BreakerState, BreakerTransition, CircuitBreaker
 from pdserve.router.config import Mode
 from pdserve.router.flow import Flow, FlowRequest, TokenChunk
+from pdserve.router.live_monitor import LiveMonitor
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.state import Reason, RequestState, RequestTimeline, Transition
 
@@ -43,8 +44,11 @@ class Dispatcher:
         breaker: CircuitBreaker | None = None,
         metrics: RouterMetrics | None = None,
         span_hook: Callable[[RequestTimeline], None] | None = None,
+        monitor: LiveMonitor | None = None,
     ) -> None:
         self._mode = mode
+        # Decode TPOT with / without prefill and SLO outcomes (None: not measured).
+        self.monitor = monitor
         self.breaker = breaker
         if breaker is not None:
             breaker.on_transition = _log_breaker
@@ -87,9 +91,9 @@ class Dispatcher:
         while len(self._timelines) > self._max_timelines:
             self._timelines.popitem(last=False)
         flow = self._flows[mode]
-        if self.metrics is None and self.span_hook is None:
+        if self.metrics is None and self.span_hook is None and self.monitor is None:
             return flow, timeline
-        return _ObservedFlow(flow, self.metrics, self.span_hook), timeline
+        return _ObservedFlow(flow, self.metrics, self.span_hook, self.monitor), timeline
 
     @property
     def effective_mode(self) -> Mode:
@@ -134,13 +138,21 @@ class _ObservedFlow:
         flow: Flow,
         metrics: RouterMetrics | None,
         span_hook: Callable[[RequestTimeline], None] | None,
+        monitor: LiveMonitor | None = None,
     ) -> None:
         self._flow = flow
         self._metrics = metrics
         self._span_hook = span_hook
+        self._monitor = monitor
 
     async def stream(self, request: FlowRequest) -> AsyncGenerator[TokenChunk, None]:
         timeline = request.timeline
+        monitor = self._monitor
+        tracker = (
+            None
+            if monitor is None
+            else monitor.begin(len(request.prompt_token_ids), request.sampling.max_tokens)
+        )
         try:
             async with contextlib.aclosing(self._flow.stream(request)) as chunks:
                 async for chunk in chunks:
@@ -148,10 +160,15 @@ class _ObservedFlow:
                     gap = timeline.record_tokens(n, time.monotonic_ns())
                     if gap is not None and self._metrics is not None:
                         self._metrics.observe_itl(gap, n)
+                    if monitor is not None and tracker is not None:
+                        monitor.chunk(tracker, chunk.step, gap, n)
                     yield chunk
         finally:
+            stats = request_stats(timeline)
             if self._metrics is not None:
-                self._metrics.observe_request(request_stats(timeline))
+                self._metrics.observe_request(stats)
+            if monitor is not None and tracker is not None:
+                monitor.end(tracker, stats, timeline.state is RequestState.FINISHED)
             if self._span_hook is not None:
                 try:
                     self._span_hook(timeline)

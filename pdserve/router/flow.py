@@ -17,7 +17,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pdserve.router.state import RequestTimeline
-from pdserve.worker.protocol import LogprobModel, PrefillResult, SamplingModel, TokenEvent
+from pdserve.worker.protocol import (
+    LogprobModel,
+    PrefillResult,
+    SamplingModel,
+    StepInfo,
+    TokenEvent,
+)
 
 
 @dataclass(slots=True)
@@ -55,6 +61,9 @@ class TokenChunk:
     prompt_logprobs: list[LogprobModel] | None = None
     # Prompt tokens the worker's prefix cache supplied (first chunk with tokens).
     num_cached_tokens: int | None = None
+    # The worker's engine step that produced these tokens, when a worker stream did (not the
+    # prefill's first token): whether prefill shared the batch (interference metrics).
+    step: StepInfo | None = None
 
     @classmethod
     def of_event(cls, event: TokenEvent, finish_reason: str | None = None) -> TokenChunk:
@@ -65,6 +74,7 @@ class TokenChunk:
             event.logprobs,
             event.prompt_logprobs,
             event.num_cached_tokens,
+            event.step,
         )
 
     @classmethod

@@ -25,19 +25,17 @@ from pdserve.config_file import add_config_flag, expand
 from pdserve.errors import PdserveError
 from pdserve.flags import add_policy_flags
 from pdserve.router.app import create_app
+from pdserve.router.auto_mode import AutoConfig
 from pdserve.router.config import (
-    MODES,
+    MODE_SETTINGS,
     AffinityConfig,
     BreakerConfig,
     RecoveryConfig,
     RouterConfig,
-    parse_mode,
+    parse_mode_setting,
     parse_recovery,
 )
-
-_BREAKER = BreakerConfig()
-_RECOVERY = RecoveryConfig()
-_AFFINITY = AffinityConfig()
+from pdserve.router.interference import SLOConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,7 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="etcd://HOST:PORT[/PREFIX]",
         help="find workers registered in etcd instead of --worker URLs",
     )
-    p.add_argument("--mode", choices=MODES, default="disagg")
+    p.add_argument(
+        "--mode",
+        choices=MODE_SETTINGS,
+        default="disagg",
+        help="auto: start colocated, split `both` workers into prefill and decode roles when"
+        " prefill breaks the TPOT SLO, rejoin them when the load falls or the breaker opens",
+    )
     p.add_argument(
         "--fault",
         action="append",
@@ -105,7 +109,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
         faults=tuple(args.fault),
         fault_seed=args.fault_seed,
         model=model,
-        mode=parse_mode(args.mode),
+        mode=parse_mode_setting(args.mode),
         host=args.host,
         port=args.port,
         api_key=args.api_key,
@@ -130,6 +134,17 @@ def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
             load_weight=args.load_weight,
             local_prefill_threshold=args.local_prefill_threshold,
             max_sessions=args.max_sessions,
+        ),
+        slo=SLOConfig(ttft_s=args.slo_ttft_ms / 1e3, tpot_s=args.slo_tpot_ms / 1e3),
+        auto=AutoConfig(
+            interval_s=args.auto_interval_s,
+            window_s=args.auto_window_s,
+            min_dwell_s=args.auto_min_dwell_s,
+            sustain=args.auto_sustain,
+            min_requests=args.auto_min_requests,
+            target_attainment=args.auto_target_attainment,
+            low_water=args.auto_low_water,
+            split_backoff_s=args.auto_split_backoff_s,
         ),
         recovery=RecoveryConfig(
             steps=parse_recovery(args.recovery),

@@ -77,6 +77,8 @@ class RouterMetrics:
     handoff_spikes: Counter[str] = field(default_factory=Counter)
     # The pool's workers, read at scrape time (None: no worker gauges).
     workers: Callable[[], Sequence[WorkerGauges]] | None = None
+    # Families kept elsewhere (the live monitor, the automatic mode), rendered after these.
+    extra: list[Callable[[], list[str]]] = field(default_factory=list)
 
     def count_request(self, mode: str, status: str) -> None:
         """One finished request: status is "ok", "client_error", "no_capacity" or "error"."""
@@ -142,6 +144,8 @@ class RouterMetrics:
             )
         if self.workers is not None:
             lines += _render_workers(self.workers())
+        for render in self.extra:
+            lines += render()
         return "\n".join(lines) + "\n"
 
 

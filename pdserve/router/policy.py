@@ -15,6 +15,7 @@ Rules, in order:
    by cached prefix, session and load.)
 4. A prefill worker must have the decode worker's digest; role `prefill` is preferred over a
    `both` worker, and the decode worker itself is never its own prefill worker.
+A worker's role is `WorkerView.role`: the role the router assigned it (`roles.py`), else its own.
 """
 
 from __future__ import annotations
@@ -38,6 +39,16 @@ class WorkerView:
     healthy: bool
     # Requests the router has sent there and not yet seen finish.
     num_inflight: int = 0
+    # A role the router gave this `both` worker (`router/roles.py`: "prefill" while the
+    # automatic mode or an operator splits the pool); None: its own role.
+    assigned_role: str | None = None
+
+    @property
+    def role(self) -> str | None:
+        """The role selection uses: the assigned one, else the worker's own (None: no poll)."""
+        if self.assigned_role is not None:
+            return self.assigned_role
+        return None if self.health is None else self.health.role
 
 
 def compatible_digest(workers: Sequence[WorkerView]) -> str | None:
@@ -70,7 +81,7 @@ def candidates(
         for w in workers
         if w.healthy
         and w.health is not None
-        and w.health.role in roles
+        and w.role in roles
         and w.health.fingerprint_digest == digest
         and w.url not in exclude
     ]
@@ -95,7 +106,7 @@ def pick_prefill(
     found = candidates(workers, ("prefill", "both"), digest, skip)
     if not found:
         return None
-    return min(found, key=lambda w: (w.health is None or w.health.role != "prefill", load_key(w)))
+    return min(found, key=lambda w: (w.role != "prefill", load_key(w)))
 
 
 def rank_colocated(
@@ -149,7 +160,7 @@ def fingerprint_groups(workers: Sequence[WorkerView]) -> list[FingerprintGroup]:
             for name in sorted({*fields, *reference})
             if digest != chosen and fields.get(name) != reference.get(name)
         )
-        roles = tuple(sorted({w.health.role for w in group if w.health is not None}))
+        roles = tuple(sorted({w.role for w in group if w.role is not None}))
         urls = tuple(w.url for w in group)
         groups.append(FingerprintGroup(digest, digest == chosen, urls, roles, differs))
     return sorted(groups, key=lambda g: not g.compatible)
@@ -177,10 +188,10 @@ def pairing_problems(workers: Sequence[WorkerView], mode: str) -> list[str]:
         )
     in_main = [w for w in workers if w.url in main.worker_urls and w.health is not None]
     if mode == "colocated":
-        if not any(w.health is not None and w.health.role == "both" for w in in_main):
+        if not any(w.role == "both" for w in in_main):
             problems.append("colocated: no worker of role both in the compatible group")
         return problems
-    decodes = [w for w in in_main if w.health is not None and w.health.role in ("decode", "both")]
+    decodes = [w for w in in_main if w.role in ("decode", "both")]
     if not decodes:
         problems.append("disagg: no decode worker in the compatible group")
     elif all(pick_prefill(workers, d) is None for d in decodes):

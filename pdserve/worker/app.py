@@ -27,6 +27,7 @@ It knows HTTP, the protocol models and the worker's parts; not sockets of the KV
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import time
@@ -78,6 +79,7 @@ from pdserve.worker.protocol import (
 from pdserve.worker.token_stream import TokenStreamer
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 NDJSON = "application/x-ndjson"
 
 
@@ -88,6 +90,14 @@ async def _parse(request: web.Request, model: type[M]) -> M:
 
 def _json(body: BaseModel, status: int = 200) -> web.Response:
     return web.json_response(text=body.model_dump_json(), status=status)
+
+
+def _settle(future: concurrent.futures.Future[T], fn: Callable[[], T]) -> None:
+    """Resolve `future` with what `fn` returns or raises."""
+    try:
+        future.set_result(fn())
+    except Exception as exc:
+        future.set_exception(exc)
 
 
 def _held_kv(request_id: str) -> Callable[[Engine], tuple[list[memoryview], list[int], int]]:
@@ -243,6 +253,8 @@ class WorkerAPI:
                 explicit=self.config.kv_transport != "auto",
             )
         with self._admitted(rid):
+            if destination is not None:
+                outbox.warm(destination)  # the connection comes up while the prompt computes
             return await self._prefill(body, destination, outbox)
 
     async def _prefill(
@@ -257,7 +269,24 @@ class WorkerAPI:
         # token 0's randomness by (seed, 0), so it is the token a colocated run draws.
         # min_tokens capped at 1 masks token 0's stop tokens exactly as min_tokens >= 1 does.
         first_only = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-        queue = await self.engine.add(rid, body.prompt_token_ids, first_only, hold_kv=True)
+        # Read on the engine thread in the step that finishes the prefill: a command would
+        # wait behind the next step (another prompt's prefill, maybe hundreds of ms) and so
+        # would the decode side's first token. The digest is taken before the KV leaves this
+        # thread's hands: whatever damages the held KV later (before its checksums are
+        # taken) is caught by value. The first token does not wait for the digest's forward.
+        held: concurrent.futures.Future[tuple[list[memoryview], list[int], int]]
+        held = concurrent.futures.Future()
+        digest: concurrent.futures.Future[bytes] = concurrent.futures.Future()
+        want_digest = destination is not None and self.config.kv_canary
+
+        def on_finish(engine: Engine) -> None:
+            _settle(held, lambda: _held_kv(rid)(engine))
+            if want_digest and held.exception() is None:
+                _settle(digest, lambda: kv_canary.digest_now(engine, rid))
+
+        queue = await self.engine.add(
+            rid, body.prompt_token_ids, first_only, hold_kv=True, on_finish=on_finish
+        )
         handed_over = False
         try:
             try:
@@ -272,15 +301,12 @@ class WorkerAPI:
                     f"request {rid}: prefill ended without a token ({delta.finish_reason})"
                 )
             end_ns = self.events.record(rid, "prefill_end").monotonic_ns
-            views, block_ids, num_cached = await self.engine.call(_held_kv(rid))
+            views, block_ids, num_cached = await asyncio.wrap_future(held)
             if destination is not None:
-                # The digest before the KV leaves this thread's hands: whatever damages the
-                # held KV later (before its checksums are taken) is caught by value. Queued on
-                # the engine thread now, awaited by the send (before its first byte), not here:
-                # the first token goes back without waiting for a one-token forward.
-                value_digest: bytes | asyncio.Future[bytes] = b""
-                if self.config.kv_canary:
-                    value_digest = asyncio.ensure_future(kv_canary.digest(self.engine, rid))
+                # Awaited by the send (before its first byte), not here.
+                value_digest: bytes | asyncio.Future[bytes] = (
+                    asyncio.wrap_future(digest) if want_digest else b""
+                )
                 outbox.start(
                     rid,
                     body.prompt_token_ids,
@@ -311,22 +337,30 @@ class WorkerAPI:
             )
         )
 
-    async def _check_received(self, rid: str, received: Received) -> HandoffInfo:
-        """The value check of received KV (the canary), and how it came."""
-        canary = "none"
-        if received.num_blocks:
-            canary = "off"
-            if self.config.kv_canary:
-                canary = await kv_canary.check(
-                    self.engine, rid, received.value_digest, self.info.dtype, self.canary_counts
-                )
-        return HandoffInfo(
-            transport=received.transport,
-            num_bytes=received.num_bytes,
-            seconds=round(received.seconds, 6),
-            slow=received.slow,
-            canary=canary,
-        )
+    def _handoff_check(
+        self, rid: str, received: Received
+    ) -> tuple[Callable[[], HandoffInfo], Callable[[Engine], object] | None]:
+        """How the KV came (read it after the check ran) and the value check (the canary) to
+        run on the engine thread before the request is scheduled (None: no check)."""
+        result = ["none" if not received.num_blocks else "off"]
+
+        def info() -> HandoffInfo:
+            return HandoffInfo(
+                transport=received.transport,
+                num_bytes=received.num_bytes,
+                seconds=round(received.seconds, 6),
+                slow=received.slow,
+                canary=result[0],
+            )
+
+        if not received.num_blocks or not self.config.kv_canary:
+            return info, None
+        run = kv_canary.checker(rid, received.value_digest, self.info.dtype, self.canary_counts)
+
+        def check(engine: Engine) -> None:
+            result[0] = run(engine)
+
+        return info, check
 
     async def decode(self, request: web.Request) -> web.StreamResponse:
         """POST /decode DecodeRequest -> NDJSON TokenEvents from the second token on."""
@@ -341,8 +375,9 @@ class WorkerAPI:
         try:
             try:
                 received = await inbox.take(rid, kv_timeout_s)
-                handoff = await self._check_received(rid, received)
-                queue = await self.engine.mark_ready(rid, body.first_token_id)
+                handoff_info, check = self._handoff_check(rid, received)
+                queue = await self.engine.mark_ready(rid, body.first_token_id, check)
+                handoff = handoff_info()
                 self.events.record(rid, "decode_start", f"canary={handoff.canary}")
             except PdserveError as exc:
                 # cancel() waits for a cancellation already under way (the writer fenced)

@@ -72,6 +72,8 @@ class _Command:
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: DeltaQueue
+    # Run on the engine thread right after the finishing delta is published (see `add`).
+    on_finish: Callable[[Engine], None] | None = None
 
 
 class EngineLoop:
@@ -128,10 +130,16 @@ class EngineLoop:
         params: SamplingParams,
         hold_kv: bool = False,
         output_token_ids: list[int] | None = None,
+        on_finish: Callable[[Engine], None] | None = None,
     ) -> DeltaQueue:
         """Queue a request (resuming after `output_token_ids` if given); its deltas arrive on
-        the returned queue until one is finished."""
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        the returned queue until one is finished.
+
+        `on_finish(engine)` runs on the engine thread just after the step that finished the
+        request, before any other step or command: the way to read KV it holds (and run the
+        canary's forward) without queueing behind the next, perhaps long, prefill step. It
+        reports its own results (a future); an exception it raises is logged."""
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), on_finish)
 
         def add(engine: Engine) -> None:
             engine.add_request(
@@ -168,15 +176,24 @@ class EngineLoop:
 
         return await self.call(add_remote)
 
-    async def mark_ready(self, request_id: str, first_token_id: int) -> DeltaQueue:
+    async def mark_ready(
+        self,
+        request_id: str,
+        first_token_id: int,
+        check: Callable[[Engine], object] | None = None,
+    ) -> DeltaQueue:
         """Schedule a request whose remote KV is verified; deltas follow from the 2nd token.
 
+        `check(engine)` runs first, in the same command (the KV canary: one wait for the
+        engine thread, not two); if it raises, nothing is scheduled and the error is raised.
         If the first token already ends the request (a stop token, max_tokens 1, a grammar it
         completes), the request is dropped and the queue gets one finished delta, no tokens.
         """
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
 
         def mark(engine: Engine) -> None:
+            if check is not None:
+                check(engine)
             reason = engine.first_token_finishes(request_id, first_token_id)
             if reason is not None:
                 engine.abort(request_id)
@@ -284,6 +301,11 @@ class EngineLoop:
             if delta.finished:
                 del self._streams[delta.request_id]
             self._publish(stream, delta)
+            if delta.finished and stream.on_finish is not None:
+                try:
+                    stream.on_finish(engine)
+                except Exception:
+                    logger.exception("finish hook of %s failed", delta.request_id)
 
     @staticmethod
     def _publish(stream: _Stream, delta: RequestDelta) -> None:

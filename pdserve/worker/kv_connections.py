@@ -11,6 +11,12 @@ first) and at most `max_idle` are kept per endpoint.
 
 Each stream is used by one transfer at a time: `acquire` takes it out of the pool.
 
+`warm` opens a stream ahead of need (the worker calls it when a prefill with a destination
+starts, so the connection is set up while the prompt computes, not after); an `acquire` that
+finds no idle stream waits for a warm-up in flight to the same endpoint rather than opening a
+second one. A failed warm-up is only logged: the transfer's own `acquire` then opens the
+stream and reports why it cannot.
+
 It knows streams and endpoints; not sessions, frames or leases.
 """
 
@@ -18,11 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from pdserve.transfer.stream import Address, ByteStream
+
+logger = logging.getLogger(__name__)
 
 Key = tuple[str, Address]
 Connect = Callable[[str, Address], Awaitable[ByteStream]]
@@ -42,12 +51,37 @@ class ConnectionPool:
         self._max_idle = max_idle
         self._idle_timeout_s = idle_timeout_s
         self._idle: dict[Key, list[_Idle]] = {}
+        self._warming: dict[Key, asyncio.Task[None]] = {}
         self.num_opened = 0
         self.num_reused = 0
+
+    def warm(self, transport: str, address: Address) -> None:
+        """Open a stream to the endpoint in the background unless one is idle or opening."""
+        key = (transport, address)
+        if self._idle.get(key) or key in self._warming:
+            return
+
+        async def open_one() -> None:
+            try:
+                stream = await self._connect(transport, address)
+            except Exception as exc:
+                logger.debug(
+                    "warm-up of a KV stream to %s over %s failed: %s", address, transport, exc
+                )
+                return
+            finally:
+                self._warming.pop(key, None)
+            self.num_opened += 1
+            await self.release(transport, address, stream, ok=True)
+
+        self._warming[key] = asyncio.get_running_loop().create_task(open_one())
 
     async def acquire(self, transport: str, address: Address) -> ByteStream:
         """A reusable idle stream to the endpoint, or a new one."""
         key = (transport, address)
+        warming = self._warming.get(key)
+        if not self._idle.get(key) and warming is not None:
+            await asyncio.wait([warming])
         now = time.monotonic()
         idle = self._idle.get(key, [])
         while idle:
@@ -83,7 +117,10 @@ class ConnectionPool:
         return closed
 
     async def aclose(self) -> None:
-        """Close every idle stream."""
+        """Stop warm-ups and close every idle stream."""
+        for task in list(self._warming.values()):
+            task.cancel()
+        await asyncio.gather(*self._warming.values(), return_exceptions=True)
         await self.close_idle(older_than_s=0.0)
 
     @property

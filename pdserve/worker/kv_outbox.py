@@ -155,6 +155,11 @@ class KVOutbox:
         # Timeline events (kv_send_start, kv_send_acked, kv_send_failed); None: not recorded.
         self._events = events
 
+    def warm(self, destination: Destination) -> None:
+        """Open the stream a coming send to `destination` will use, while the prefill runs
+        (no-op when one is idle or opening already)."""
+        self.pool.warm(destination.transport, destination.address)
+
     def start(
         self,
         request_id: str,

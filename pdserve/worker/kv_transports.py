@@ -27,7 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.errors import ConfigError, TransportUnavailable
-from pdserve.transfer.nixl_transport import NixlConfig, nixl_available, open_nixl_stream, serve_nixl
+from pdserve.transfer.nixl_transport import (
+    NixlConfig,
+    nixl_available,
+    open_nixl_stream,
+    prewarm_nixl,
+    serve_nixl,
+)
 from pdserve.transfer.shm import SHM_DIR, ShmConfig, open_shm_stream, serve_shm
 from pdserve.transfer.stream import Address, ByteStream, StreamHandler
 from pdserve.transfer.tcp import TcpServer, open_tcp_stream, serve_tcp
@@ -125,6 +131,13 @@ def choose(
         f"KV transport {wanted} ({kind} here) cannot reach the decode worker, which offers"
         f" {have}: {why}"
     )
+
+
+def prewarm(transports: Sequence[Transport]) -> None:
+    """Start setting up what a transport's first connection would otherwise wait for (NIXL:
+    UCX's start-up, an agent and its inbox; ~1.7 s measured here). Non-blocking."""
+    if "nixl" in transports:
+        prewarm_nixl(NIXL_CONFIG)
 
 
 async def serve(

@@ -33,6 +33,7 @@ from pdserve.worker.protocol import (
     WorkerHealth,
 )
 from pdserve.worker.reuse_metrics import render_reuse
+from pdserve.worker.step_report import render_steps, step_totals_model
 from pdserve.worker.transport_stats import TransportStats
 
 if TYPE_CHECKING:
@@ -91,6 +92,7 @@ class ObserveRoutes:
             request_monotonic_ns=arrived_ns,
             monotonic_ns=time.monotonic_ns(),
             wall_time_s=time.time(),
+            steps=step_totals_model(stats.steps),
         )
         return _json(body)
 
@@ -115,6 +117,7 @@ class ObserveRoutes:
         sends = outbox.sends if outbox else None
         text = render(api.worker_id, stats, api.leases.num_active, counters, sends)
         text += render_reuse(api.worker_id, stats)
+        text += render_steps(api.worker_id, stats.steps)
         text += render_fail_closed(
             api.worker_id,
             FailClosedCounters(

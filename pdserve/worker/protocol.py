@@ -135,6 +135,24 @@ class LogprobModel(_Model):
         )
 
 
+class StepTotalsModel(_Model):
+    """Cumulative engine step figures (`pdserve.engine.step_stats.StepTotals`): steps and
+    seconds per kind (decode-only, prefill-only, mixed), tokens per phase, and the busy
+    seconds attributed to each phase. The router differences two polls to size a P:D split."""
+
+    num_steps: int
+    num_decode_steps: int
+    num_prefill_steps: int
+    num_mixed_steps: int
+    decode_steps_s: float
+    prefill_steps_s: float
+    mixed_steps_s: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    prefill_busy_s: float
+    decode_busy_s: float
+
+
 class WorkerHealth(_Model):
     """What the router needs to place work on this worker."""
 
@@ -166,6 +184,8 @@ class WorkerHealth(_Model):
     request_monotonic_ns: int | None = None
     monotonic_ns: int | None = None
     wall_time_s: float | None = None
+    # Engine steps since start (None from workers that predate it).
+    steps: StepTotalsModel | None = None
 
 
 class ReserveRequest(_Model):
@@ -322,6 +342,20 @@ class HandoffInfo(_Model):
     canary: str
 
 
+class StepInfo(_Model):
+    """The engine step that produced a streamed token: how long it ran and what shared it.
+
+    `decode` says this request's token came from a decode slice; `num_prefill_tokens` > 0
+    then means it waited for prefill work in the same batch (interference)."""
+
+    # Per worker, increasing: the same step reported to several streams has one index.
+    index: int
+    duration_s: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    decode: bool
+
+
 class TokenEvent(_Model):
     """One line of a token stream."""
 
@@ -341,6 +375,8 @@ class TokenEvent(_Model):
     prompt_logprobs: list[LogprobModel] | None = None
     # On the first event with tokens: prompt tokens this worker's prefix cache supplied.
     num_cached_tokens: int | None = None
+    # The step that produced `token_ids` (None on lines not made by a step).
+    step: StepInfo | None = None
 
 
 class ReleaseRequest(_Model):

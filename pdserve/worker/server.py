@@ -75,6 +75,7 @@ class Worker:
         c = self.config
         # An explicit transport that cannot work here fails the start, naming why.
         transports = kv_transports.local_transports(c.kv_transport)
+        kv_transports.prewarm(transports)  # in a thread, while the engine loads
         info = await self.engine.start()
         self.leases.start()
         stats = TransportStats()

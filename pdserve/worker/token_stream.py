@@ -20,6 +20,7 @@ from pdserve.faults import FaultInjector, FaultSite, perform
 from pdserve.observability.timeline_log import EventRing
 from pdserve.worker.engine_loop import DeltaQueue, EngineLoop
 from pdserve.worker.protocol import LogprobModel, TokenEvent
+from pdserve.worker.step_report import step_info
 
 NDJSON = "application/x-ndjson"
 
@@ -100,6 +101,7 @@ class TokenStreamer:
                 if delta.prompt_logprobs is None
                 else [LogprobModel.of(lp) for lp in delta.prompt_logprobs],
                 num_cached_tokens=delta.num_cached_tokens if delta.new_token_ids else None,
+                step=step_info(delta),
             )
             await self.write(response, event)
             if delta.finished:

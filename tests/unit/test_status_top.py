@@ -94,3 +94,45 @@ def test_top_once_draws_one_frame_without_escape_codes(monkeypatch: pytest.Monke
     live = io.StringIO()
     assert top.run_top("http://r", 1.0, False, live, lambda s: None, max_frames=2) == 0
     assert live.getvalue().count(top.CLEAR) == 2
+
+
+def test_top_shows_interference_slo_attainment_and_the_auto_layout() -> None:
+    from pdserve.clock import FakeClock
+    from pdserve.observability.request_stats import RequestStats
+    from pdserve.router.interference import SLOConfig
+    from pdserve.router.live_monitor import LiveMonitor
+    from pdserve.top import render_interference
+    from pdserve.worker.protocol import StepInfo
+
+    monitor = LiveMonitor(SLOConfig(ttft_s=1.0, tpot_s=0.01), 10.0, FakeClock())
+    tracker = monitor.begin(100, 4)
+    for gap, prefill in ((None, 100), (0.004, 0), (0.002, 0), (0.090, 700)):
+        info = StepInfo(index=0, duration_s=0.001, num_prefill_tokens=prefill,
+                        num_decode_tokens=1, decode=gap is not None)  # fmt: skip
+        monitor.chunk(tracker, info, gap, 1)
+    monitor.end(tracker, RequestStats(0.2, 0.3, 0.032, None), finished=True)
+    metrics = RouterMetrics(extra=[monitor.render])
+    lines = render_interference(parse(metrics.render()))
+    assert lines[0].split() == [
+        "decode", "tpot", "with", "prefill", "mean", "90.0ms", "p50", "≤100ms", "p95", "≤100ms",
+        "n", "1",
+    ]  # fmt: skip
+    assert lines[1].split()[:6] == ["decode", "tpot", "without", "prefill", "mean", "3.0ms"]
+    assert lines[2] == (
+        "slo ttft 1000ms tpot 10ms  window attainment ttft 1.00  tpot 0.00  both 0.00"
+        "  since start missed_tpot=1"
+    )
+    assert render_interference(parse(RouterMetrics().render())) == []
+
+
+def test_status_marks_roles_the_router_assigned_and_auto_mode() -> None:
+    rows = (
+        WorkerRow("http://a", True, "both", 11, "w-1", "aaaa" * 4, 64, 60, 0, 0, 0,
+                  assigned_role="prefill"),
+        WorkerRow("http://b", True, "both", 12, "w-2", "aaaa" * 4, 64, 60, 0, 0, 0),
+    )  # fmt: skip
+    status = ClusterStatus("http://r", 7, "ok", "disagg", "tiny", rows, mode_setting="auto")
+    lines = render_table(status).splitlines()
+    assert "mode auto (disagg now)" in lines[0]
+    assert lines[2].split()[:2] == ["w-1", "prefill*"] and lines[3].split()[:2] == ["w-2", "both"]
+    assert lines[-1].startswith("* role assigned by the router")

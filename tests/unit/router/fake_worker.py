@@ -36,6 +36,7 @@ from pdserve.worker.protocol import (
     Reservation,
     ReserveRequest,
     SamplingModel,
+    StepInfo,
     TokenEvent,
     WorkerHealth,
 )
@@ -69,6 +70,9 @@ class FakeWorker:
     num_running: int = 0
     # The fingerprint it reports (None: the router harness fills in the router's model).
     fingerprint: dict[str, str | int | float] | None = None
+    # When set, streamed token i carries a StepInfo whose prefill tokens are
+    # `step_prefill_tokens[i % len]` (the worker's interference report); None: no step facts.
+    step_prefill_tokens: list[int] | None = None
     calls: list[tuple[str, str]] = field(default_factory=list)
     samplings: list[SamplingModel] = field(default_factory=list)
     # Reported as the prefix cache's share of every prompt.
@@ -243,6 +247,17 @@ class FakeWorker:
             last = i == max_tokens - 1
             token = self.tokens[i % len(self.tokens)]
             lp = _logprob(sampling, i, token)
+            step = None
+            if self.step_prefill_tokens is not None:
+                prefill = self.step_prefill_tokens[i % len(self.step_prefill_tokens)]
+                step = StepInfo(
+                    index=i,
+                    duration_s=0.001,
+                    num_prefill_tokens=prefill,
+                    num_decode_tokens=1,
+                    # Token 0 of a /generate stream comes from its own prefill.
+                    decode=i > 0,
+                )
             event = TokenEvent(
                 token_ids=[token],
                 finished=last,
@@ -252,6 +267,7 @@ class FakeWorker:
                 if i != start or prompt is None
                 else _prompt_logprobs(sampling, prompt),
                 num_cached_tokens=self.num_cached_tokens if i == start else None,
+                step=step,
             )
             await resp.write(event.model_dump_json().encode() + b"\n")
         await resp.write_eof()

@@ -1,0 +1,118 @@
+"""Flag values of the benchmark commands, checked before anything starts. Pure.
+
+Each parser takes the flag's name and its text and returns the typed value, or raises
+`ConfigError` with one line naming the flag, the accepted range and what was given (the CLI
+prints it and exits 2). `None` text (flag not given) passes through as None.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.errors import ConfigError
+
+
+def _range_text(low: float, high: float | None, low_open: bool) -> str:
+    first = f"> {low:g}" if low_open else f">= {low:g}"
+    return first if high is None else f"{first} and <= {high:g}"
+
+
+def positive_floats(flag: str, text: str, high: float | None = None) -> tuple[float, ...]:
+    """Comma-separated numbers, each > 0 (and <= `high`)."""
+    want = f"comma-separated numbers {_range_text(0, high, True)}"
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(f"{flag}: expected {want}, got {text!r}") from None
+    if not all(math.isfinite(v) and v > 0 and (high is None or v <= high) for v in values):
+        raise ConfigError(f"{flag}: expected {want}, got {text!r}")
+    return values
+
+
+def positive(flag: str, text: str | None, high: float | None = None) -> float | None:
+    """A number > 0 (and <= `high`)."""
+    if text is None:
+        return None
+    want = f"a number {_range_text(0, high, True)}"
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"{flag}: expected {want}, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0 and (high is None or value <= high)):
+        raise ConfigError(f"{flag}: expected {want}, got {text!r}")
+    return value
+
+
+def integer(flag: str, text: str | None, low: int, high: int | None = None) -> int | None:
+    """An integer >= `low` (and <= `high`)."""
+    if text is None:
+        return None
+    want = f"an integer {_range_text(low, high, False)}"
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"{flag}: expected {want}, got {text!r}") from None
+    if value < low or (high is not None and value > high):
+        raise ConfigError(f"{flag}: expected {want}, got {text!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class LoadFlags:
+    """The Poisson load of a benchmark: rates, and requests or seconds per run (one of them)."""
+
+    rates: tuple[float, ...]
+    num_requests: int | None
+    duration_s: float | None
+
+
+def add_load_arguments(
+    p: argparse.ArgumentParser, rates: Sequence[float], duration_s: float, per: str
+) -> None:
+    """--rates, --duration-s, --num-requests (checked by `parse_load`); `per` names a run."""
+    p.add_argument(
+        "--rates",
+        default=",".join(f"{r:g}" for r in rates),
+        help="comma-separated request rates per second (Poisson arrivals)",
+    )
+    p.add_argument(
+        "--duration-s", default=None, help=f"seconds of arrivals per {per} (default {duration_s:g})"
+    )
+    p.add_argument(
+        "--num-requests", default=None, help=f"requests per {per} (instead of --duration-s)"
+    )
+
+
+def parse_load(
+    args: argparse.Namespace,
+    default_duration_s: float,
+    max_rate: float | None = None,
+    max_requests: int | None = None,
+    max_duration_s: float | None = None,
+) -> LoadFlags:
+    """The checked load flags: distinct rates, and --num-requests or --duration-s, not both."""
+    rates = positive_floats("--rates", args.rates, max_rate)
+    if len(set(rates)) != len(rates):
+        raise ConfigError(f"--rates: each rate once, got {args.rates!r}")
+    num_requests = integer("--num-requests", args.num_requests, 1, max_requests)
+    duration_s = positive("--duration-s", args.duration_s, max_duration_s)
+    if num_requests is not None and duration_s is not None:
+        raise ConfigError("--num-requests: give it or --duration-s, not both")
+    if num_requests is None and duration_s is None:
+        duration_s = default_duration_s
+    return LoadFlags(rates, num_requests, duration_s)
+
+
+def add_output_arguments(p: argparse.ArgumentParser, plot_help: str) -> None:
+    """--model, --json FILE and --plot DIR, as every benchmark command takes them."""
+    p.add_argument(
+        "--model", default=None, help="Hugging Face model folder (default: tiny built-in)"
+    )
+    p.add_argument(
+        "--json", type=Path, default=None, metavar="FILE", help="also write the results here"
+    )
+    p.add_argument("--plot", type=Path, default=None, metavar="DIR", help=plot_help)
