@@ -46,6 +46,8 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
         cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
         # Drop a token when the mass before it already reaches top_p; the top token always stays.
         drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p
+        # Spelled out: a top_p below float32's resolution compares as 0 and would drop it too.
+        drop_sorted[0] = False
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
@@ -58,10 +60,13 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     greedy = torch.argmax(logits, dim=-1).tolist()
     out: list[int] = []
     for i, row in enumerate(rows):
-        if row.temperature == 0.0:
+        scaled = logits[i] / row.temperature if row.temperature else logits[i]
+        # A temperature so small that the scaled logits overflow float32 is greedy (its limit);
+        # sampling them would draw from NaN probabilities.
+        if row.temperature == 0.0 or not bool(torch.isfinite(scaled).all()):
             out.append(int(greedy[i]))
             continue
-        scaled = _filter_top_k_top_p(logits[i] / row.temperature, row.top_k, row.top_p)
+        scaled = _filter_top_k_top_p(scaled, row.top_k, row.top_p)
         probs = torch.softmax(scaled, dim=-1)
         gen = torch.Generator().manual_seed(draw_key(row.seed, row.token_index))
         noise = torch.empty_like(probs).exponential_(generator=gen)

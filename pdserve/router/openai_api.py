@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import secrets
 import time
@@ -315,21 +314,23 @@ _M = TypeVar("_M", bound=BaseModel)
 
 
 async def _parse(request: web.Request, model: type[_M]) -> _M:
+    # pydantic's own JSON parser, not json.loads: it bounds nesting depth (json.loads raises
+    # RecursionError) and refuses invalid UTF-8 and lone surrogate escapes ("\ud800"), which
+    # json.loads turns into str values that no tokenizer or JSON encoder downstream accepts.
     raw = await request.read()
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"malformed JSON body: {exc}", None, "invalid_json") from exc
-    if not isinstance(data, dict):
-        raise InvalidRequest("the body must be a JSON object", None, "invalid_json")
-    try:
-        return model.model_validate(data)
+        return model.model_validate_json(raw)
     except ValidationError as exc:
         err = exc.errors()[0]
+        if err["type"] == "json_invalid":
+            raise InvalidRequest(
+                f"malformed JSON body: {err['msg']}", None, "invalid_json"
+            ) from exc
+        if not err["loc"]:
+            raise InvalidRequest("the body must be a JSON object", None, "invalid_json") from exc
         # loc[0] is the top-level field; deeper parts name union members or list indices.
-        param = str(err["loc"][0]) if err["loc"] else None
         where = ".".join(str(p) for p in err["loc"])
-        raise InvalidRequest(f"{where}: {err['msg']}", param) from exc
+        raise InvalidRequest(f"{where}: {err['msg']}", str(err["loc"][0])) from exc
 
 
 def _or(value: int | None, default: int) -> int:
