@@ -4,14 +4,15 @@
 What is fuzzed: streams built from valid frames of every message type and from a whole sender
 script (see `wire_fuzz`), damaged by frame-level, structure-aware (checksums kept valid) and
 byte-level edits, fed to `FrameDecoder` in random splits and to the I/O layer's path
-(`decode_header`, `decode_body`, `verify_data`); fully random bytes; and random headers with a
-correct header checksum followed by random bodies.
+(`decode_header`, `decode_body`, `verify_data`); valid bodies of every message type after byte
+edits, straight to `decode_message`; fully random bytes; and random headers with a correct
+header checksum followed by random bodies.
 
 Property: every input ends in a result or a `ProtocolError` subclass, never another exception;
 a decoder that failed refuses further input; every frame it returns is canonical (re-encoding
 it gives back exactly the bytes it consumed), and an undamaged stream decodes completely.
 
-Budget: 150 + 150 + 200 + 200 examples, fixed seed (`fuzz_support`): about 1.5 s of CPU.
+Budget: 150 + 150 + 300 + 200 + 200 examples, fixed seed (`fuzz_support`): about 1.5 s of CPU.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from wire_fuzz import (
     SEED_FRAMES,
     damaged_frames,
     damaged_stream,
+    edit_bytes,
     frame,
     seal,
     split_at,
@@ -41,7 +43,7 @@ from pdserve.transfer.codec import (
     verify_data,
 )
 from pdserve.transfer.decoder import FrameDecoder
-from pdserve.transfer.messages import PROTOCOL_VERSION
+from pdserve.transfer.messages import PROTOCOL_VERSION, MsgType, decode_message, encode_body
 
 cuts = st.lists(st.integers(0, 2048), max_size=6)
 
@@ -101,6 +103,33 @@ def test_the_io_path_types_every_error_and_accepts_only_canonical_frames(stream:
         note(f"accepted {type(message).__name__}")
         assert stream[start : end + header.data_len] == frame(message, data, header.envelope)
         start = end + header.data_len
+
+
+# (type, body) of every seed frame: valid bodies of every message type.
+SEED_BODIES = [
+    (header.msg_type, raw[HEADER_BYTES : HEADER_BYTES + header.body_len])
+    for raw in SEED_FRAMES
+    for header in [decode_header(raw)]
+]
+
+
+@fuzz_settings(300)
+@given(st.sampled_from(SEED_BODIES), st.data())
+def test_edited_bodies_of_every_message_type_decode_canonically_or_raise(
+    seed: tuple[MsgType, bytes], data: st.DataObject
+) -> None:
+    """Straight at the message and field decoders (no frame checksum in the way): a valid
+    body after 1..3 byte edits is a `ProtocolError` or a message that encodes back to it."""
+    msg_type, body = seed
+    for _ in range(data.draw(st.integers(1, 3))):
+        body = edit_bytes(data.draw, body)
+    try:
+        message = decode_message(msg_type, body)
+    except ProtocolError as exc:
+        note(f"{msg_type.name} refused: {type(exc).__name__}")
+        return
+    note(f"{msg_type.name} decoded")
+    assert encode_body(message) == body
 
 
 @fuzz_settings(200)

@@ -272,7 +272,7 @@ _FIELD_VALUES: dict[int, st.SearchStrategy[object]] = {
 }
 
 
-def _bytes_edit(draw: st.DrawFn, raw: bytes) -> bytes:
+def edit_bytes(draw: st.DrawFn, raw: bytes) -> bytes:
     """One byte-level edit: flip bits, truncate, extend, insert, delete or overwrite."""
     kind = draw(st.sampled_from(["flip", "truncate", "extend", "insert", "delete", "write"]))
     n = len(raw)
@@ -308,7 +308,7 @@ def _edit_body(draw: st.DrawFn, raw: bytes) -> bytes:
     if parts is None:
         return raw
     fields, body, data = parts
-    body = _bytes_edit(draw, body)
+    body = edit_bytes(draw, body)
     fields[BODY_LEN], fields[BODY_SUM] = len(body), xxhash.xxh3_64_intdigest(body)
     return seal(fields) + body + data
 
@@ -318,7 +318,7 @@ def _edit_data(draw: st.DrawFn, raw: bytes) -> bytes:
     if parts is None or not parts[2]:
         return raw
     fields, body, data = parts
-    data = _bytes_edit(draw, data) or b"\0"
+    data = edit_bytes(draw, data) or b"\0"
     repair = draw(st.sampled_from(["stale", "header", "everywhere"]))
     if repair == "header":
         fields[DATA_LEN], fields[DATA_SUM] = len(data), data_checksum([data])
@@ -404,7 +404,7 @@ def damaged_stream(
     """The joined bytes of `damaged_frames`, then 0..max_byte_edits byte-level edits."""
     raw = b"".join(draw(damaged_frames(frames, max_edits)))
     for _ in range(draw(st.integers(0, max_byte_edits))):
-        raw = _bytes_edit(draw, raw)
+        raw = edit_bytes(draw, raw)
     return raw
 
 
