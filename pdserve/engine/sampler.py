@@ -60,6 +60,8 @@ def _filter(logits: torch.Tensor, min_p: float, top_k: int, top_p: float) -> tor
         cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
         # Drop a token when the mass before it already reaches top_p; the top token always stays.
         drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p
+        # Spelled out: a top_p below float32's resolution compares as 0 and would drop it too.
+        drop_sorted[0] = False
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
@@ -71,7 +73,12 @@ def sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
         logits = process(logits, row.context)
     if row.temperature == 0.0:
         return int(torch.argmax(logits).item())
-    scaled = _filter(logits / row.temperature, row.min_p, row.top_k, row.top_p)
+    scaled = logits / row.temperature
+    # A temperature so small that the scaled logits overflow float32 is greedy (its limit):
+    # softmax over +inf draws from NaN probabilities. (-inf is a masked token, kept.)
+    if bool(torch.isposinf(scaled).any()) or bool(torch.isnan(scaled).any()):
+        return int(torch.argmax(logits).item())
+    scaled = _filter(scaled, row.min_p, row.top_k, row.top_p)
     probs = torch.softmax(scaled, dim=-1)
     gen = torch.Generator().manual_seed(draw_key(row.seed, row.token_index))
     noise = torch.empty_like(probs).exponential_(generator=gen)

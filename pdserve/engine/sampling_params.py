@@ -21,6 +21,8 @@ from pdserve.errors import SamplingParamsError
 MAX_LOGPROBS = 20
 # OpenAI's range for one logit_bias value.
 MAX_LOGIT_BIAS = 100.0
+# Seeds are unsigned 64-bit integers (`sampler.draw_key` packs them into 8 bytes).
+MAX_SEED = 1 << 64
 
 
 class GrammarKind(enum.Enum):
@@ -100,8 +102,10 @@ class SamplingParams:
             raise SamplingParamsError(f"top_p: must be in (0, 1], got {self.top_p!r}")
         if not (0.0 <= self.min_p <= 1.0):
             raise SamplingParamsError(f"min_p: must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise SamplingParamsError(f"seed: must be a non-negative integer, got {self.seed!r}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not 0 <= self.seed < MAX_SEED
+        ):
+            raise SamplingParamsError(f"seed: must be an integer in [0, 2**64), got {self.seed!r}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any, TypeVar
 
+import pydantic_core
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
@@ -16,9 +16,12 @@ M = TypeVar("M", bound=BaseModel)
 async def read_object(request: web.Request) -> dict[str, Any]:
     """The body as a JSON object; InvalidRequest (code invalid_json) otherwise."""
     raw = await request.read()
+    # pydantic's JSON parser, not json.loads: it bounds nesting depth (json.loads raises
+    # RecursionError), refuses invalid UTF-8, lone surrogate escapes ("\ud800": str values no
+    # tokenizer or JSON encoder downstream accepts) and the non-JSON NaN / Infinity literals.
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        data = pydantic_core.from_json(raw, allow_inf_nan=False)
+    except ValueError as exc:
         raise InvalidRequest(f"malformed JSON body: {exc}", None, "invalid_json") from exc
     if not isinstance(data, dict):
         raise InvalidRequest("the body must be a JSON object", None, "invalid_json")

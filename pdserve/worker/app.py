@@ -93,7 +93,10 @@ def _json(body: BaseModel, status: int = 200) -> web.Response:
 
 
 def _settle(future: concurrent.futures.Future[T], fn: Callable[[], T]) -> None:
-    """Resolve `future` with what `fn` returns or raises."""
+    """Resolve `future` with what `fn` returns or raises (unless its waiter cancelled it:
+    then `fn` does not run)."""
+    if not future.set_running_or_notify_cancel():
+        return
     try:
         future.set_result(fn())
     except Exception as exc:
@@ -281,7 +284,7 @@ class WorkerAPI:
 
         def on_finish(engine: Engine) -> None:
             _settle(held, lambda: _held_kv(rid)(engine))
-            if want_digest and held.exception() is None:
+            if want_digest and not held.cancelled() and held.exception() is None:
                 _settle(digest, lambda: kv_canary.digest_now(engine, rid))
 
         queue = await self.engine.add(

@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from pdserve.clock import Clock, MonotonicClock
-from pdserve.errors import LeaseError
+from pdserve.errors import LeaseError, LeaseExpired
 from pdserve.transfer.lease import LeaseTable
 from pdserve.transfer.sender import LeaseHandle
 
@@ -65,8 +65,15 @@ class LeaseKeeper:
         if handle is None:
             return
         self._on_expire.pop(handle.lease_id, None)
-        with contextlib.suppress(LeaseError):
+        try:
             self.table.release(handle.lease_id, handle.epoch)
+        except LeaseExpired:
+            # Past its deadline and not yet swept: the table refuses a release then, so sweep
+            # now. Left live, its blocks would stay leased to nobody until the next sweep, and a
+            # grant meanwhile would leave them out of the next holder's lease.
+            self.reap()
+        except LeaseError:
+            pass  # released or expired already
 
     def reap(self) -> int:
         """Expire due leases and run their callbacks; returns how many expired."""

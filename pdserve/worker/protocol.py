@@ -46,7 +46,9 @@ RESERVATION_VERSION = 2
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # NaN and infinities are not JSON: a duration of Infinity would reach a lease or a
+    # deadline that cannot take it, so they are refused with the field named (400).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class GrammarModel(_Model):
@@ -221,9 +223,9 @@ class Reservation(_Model):
     # Every transport the decode side serves, best first; the prefill side uses the best one
     # it also has (see `worker/transports.py`).
     endpoints: list[KVEndpoint] = Field(min_length=1)
-    # Fencing token of the reservation's lease: the sender puts it in its Begin, and a Begin
-    # naming another epoch is refused.
-    lease_epoch: int = Field(ge=0)
+    # Fencing token of the reservation's lease: the sender puts it in its Begin (a u64 on the
+    # KV wire), and a Begin naming another epoch is refused.
+    lease_epoch: int = Field(ge=0, lt=1 << 64)
     # Leading prompt tokens the decode worker already has (prefix cache); not sent.
     num_cached_tokens: int
     lease_ttl_s: float

@@ -59,3 +59,15 @@ def test_distribution_follows_probabilities() -> None:
 def test_draw_key_depends_on_both_parts() -> None:
     assert draw_key(1, 2) != draw_key(2, 1)
     assert draw_key(1, 2) == draw_key(1, 2)
+
+
+def test_a_vanishing_temperature_or_top_p_is_greedy_not_nan() -> None:
+    """Found by the worker protocol fuzz: temperature 1e-300 (the scaled logits overflow) or
+    top_p 5e-324 (0 in float32) sampled from NaN probabilities and returned token 0."""
+    torch.manual_seed(2)
+    logits = torch.randn(1, 100)
+    best = int(logits.argmax())
+    assert best != 0
+    for tiny in (row(temperature=1e-300), row(temperature=5e-324), row(top_p=5e-324),
+                 row(temperature=1e-45, top_p=1e-300)):  # fmt: skip
+        assert sample(logits, [tiny]) == [best]

@@ -112,7 +112,6 @@ def test_the_window_summarises_its_last_seconds_and_what_came_since_a_change() -
     assert since.arrival_rate == pytest.approx(2 / 2.5)
 
 
-
 def test_a_layout_is_judged_by_the_requests_that_began_under_it() -> None:
     # A colocated request that crossed a split ends after it with the interference the split
     # removes: it must not count against the split (nor, unknown start, be dropped).
