@@ -2,7 +2,8 @@
 
 Routes: the OpenAI ones (`openai_api`), `GET /health` (router and workers summary, mode),
 `GET /metrics` (Prometheus), `POST /admin/mode {"mode": "disagg"|"colocated"}`,
-`GET /debug/requests/{id}` (a recent request's timeline).
+`GET /debug/requests/{id}` (a recent request's timeline), `GET /debug/kv_index` (the prefix
+index per worker, fed by the workers' KV events through `kv_feed`).
 
 Life cycle: `create_app` must run inside the event loop (it opens the one shared
 `aiohttp.ClientSession`); startup polls every worker once, then keeps polling; cleanup stops
@@ -13,7 +14,9 @@ so one bad request never takes the router down.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
+import json
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -39,6 +42,7 @@ from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.disagg import DisaggFlow
 from pdserve.router.dispatcher import Dispatcher
 from pdserve.router.flow import Flow
+from pdserve.router.kv_feed import KVEventFeed
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.openai_api import OpenAIApi, error_body
 from pdserve.router.policy import (
@@ -131,6 +135,8 @@ class _Routes:
         dispatcher: Dispatcher,
         metrics: RouterMetrics,
         client: WorkerClient | None = None,
+        affinity: AffinityPolicy | None = None,
+        feed: KVEventFeed | None = None,
     ) -> None:
         self._config = config
         self._pool = pool
@@ -138,6 +144,8 @@ class _Routes:
         self._metrics = metrics
         # Asks workers for their timeline events (None: the router's transitions only).
         self._client = client
+        self._affinity = affinity
+        self._feed = feed
 
     async def ready(self, request: web.Request) -> web.Response:
         """GET /ready: 200 when a request of the effective mode has a worker to run on, else
@@ -228,6 +236,19 @@ class _Routes:
             text=ModeChange(mode=change.mode, previous=previous).model_dump_json()
         )
 
+    async def kv_index(self, request: web.Request) -> web.Response:
+        """GET /debug/kv_index: the prefix index per member worker (fed by KV events or
+        inferred), with a digest of its hashes, so routers can be compared."""
+        index = self._affinity.index if self._affinity is not None else None
+        workers = [dataclasses.asdict(index.view(url)) for url in self._pool.urls] if index else []
+        feed = self._feed
+        body = {
+            "workers": workers,
+            "num_connects": feed.num_connects if feed else 0,
+            "num_resyncs": feed.num_resyncs if feed else 0,
+        }
+        return web.json_response(text=json.dumps(body))
+
     async def timeline(self, request: web.Request) -> web.Response:
         timeline = self._dispatcher.timeline(request.match_info["request_id"])
         if timeline is None:
@@ -317,21 +338,26 @@ async def create_app(config: RouterConfig) -> web.Application:
         metrics.kv_handoffs["ok" if ok else "failed"] += 1
         dispatcher.record_kv_outcome(ok, reason)
 
+    # Every router following the same workers' KV events holds the same prefix index.
+    feed = KVEventFeed(lambda: pool.urls, client, affinity.index)
     app = web.Application(middlewares=[_middleware(config, dispatcher, metrics)])
     api = OpenAIApi(config, tokenizer, max_model_len, dispatcher, metrics)
     metrics.handoff_spikes = api.spikes.counts
     api.add_routes(app)
-    routes = _Routes(config, pool, dispatcher, metrics, client=client)
+    routes = _Routes(config, pool, dispatcher, metrics, client=client, affinity=affinity, feed=feed)
     app.router.add_get("/health", routes.health)
     app.router.add_get("/ready", routes.ready)
     app.router.add_get("/metrics", routes.metrics)
     app.router.add_post("/admin/mode", routes.set_mode)
     app.router.add_get("/debug/requests/{request_id}", routes.timeline)
+    app.router.add_get("/debug/kv_index", routes.kv_index)
 
     async def on_startup(_: web.Application) -> None:
         await pool.start()
+        await feed.start()
 
     async def on_cleanup(_: web.Application) -> None:
+        await feed.stop()
         await pool.stop()
         await session.close()
 

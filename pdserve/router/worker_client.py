@@ -24,6 +24,8 @@ from pdserve.worker.protocol import (
     DecodeRequest,
     ErrorBody,
     GenerateRequest,
+    KVEventBatch,
+    KVEventsRequest,
     PrefillRequest,
     PrefillResult,
     ReleaseRequest,
@@ -141,11 +143,15 @@ class WorkerClient:
 
     def decode(self, url: str, request: DecodeRequest) -> AsyncGenerator[TokenEvent, None]:
         """POST /decode: the token stream from the second token on."""
-        return self._stream(url, "/decode", request)
+        return self._stream(url, "/decode", request, TokenEvent)
 
     def generate(self, url: str, request: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
         """POST /generate: the whole request's token stream (colocated)."""
-        return self._stream(url, "/generate", request)
+        return self._stream(url, "/generate", request, TokenEvent)
+
+    def kv_events(self, url: str, request: KVEventsRequest) -> AsyncGenerator[KVEventBatch, None]:
+        """POST /kv_events: the worker's prefix-cache events (a snapshot, then each change)."""
+        return self._stream(url, "/kv_events", request, KVEventBatch)
 
     async def _get(self, url: str, path: str, model: type[_M], timeout_s: float) -> _M:
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self._timeouts.connect_s)
@@ -175,8 +181,8 @@ class WorkerClient:
             raise WorkerUnreachable(url, f"POST {path}: {exc!r}") from exc
 
     async def _stream(
-        self, url: str, path: str, body: BaseModel
-    ) -> AsyncGenerator[TokenEvent, None]:
+        self, url: str, path: str, body: BaseModel, model: type[_M]
+    ) -> AsyncGenerator[_M, None]:
         timeout = aiohttp.ClientTimeout(
             total=None,
             sock_connect=self._timeouts.connect_s,
@@ -193,7 +199,7 @@ class WorkerClient:
                 open_streams.add(resp)
                 try:
                     async for line in _lines(resp):
-                        yield _validate(url, TokenEvent, line)
+                        yield _validate(url, model, line)
                 finally:
                     open_streams.discard(resp)
                     if not open_streams and self._streams.get(url) is open_streams:

@@ -35,6 +35,7 @@ from pdserve.observability.timeline_log import EventRing
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.engine_loop import DeltaQueue, EngineInfo, EngineLoop
 from pdserve.worker.http_errors import Handler, error_middleware
+from pdserve.worker.kv_events import KVEventStreams
 from pdserve.worker.kv_inbox import KVInbox
 from pdserve.worker.kv_outbox import Destination, KVOutbox
 from pdserve.worker.lease_keeper import LeaseKeeper
@@ -110,6 +111,7 @@ class WorkerAPI:
         outbox: KVOutbox | None,
         faults: FaultInjector | None = None,
         events: EventRing | None = None,
+        kv_streams: KVEventStreams | None = None,
     ) -> None:
         self.config = config
         self.worker_id = config.worker_id
@@ -122,6 +124,8 @@ class WorkerAPI:
         self.faults = faults
         # This worker's timeline events of recent requests (GET /debug/requests/{id}).
         self.events = events if events is not None else EventRing(config.worker_id)
+        # POST /kv_events (None: not served, e.g. an API built without an engine's log).
+        self.kv_streams = kv_streams
 
     def app(self) -> web.Application:
         """The application with every route of the protocol (+ /admin/faults if enabled)."""
@@ -143,6 +147,8 @@ class WorkerAPI:
                 web.get("/debug/requests/{request_id}", self.debug_request),
             ]
         )
+        if self.kv_streams is not None:
+            app.add_routes([web.post("/kv_events", self.kv_streams.handle)])
         if self.config.enable_fault_admin:
             app.add_routes(
                 [
