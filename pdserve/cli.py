@@ -36,6 +36,24 @@ def _non_negative_int(text: str) -> int:
     return _int_in(text, 0, None, "an integer >= 0")
 
 
+def _float_in(text: str, low: float, strict: bool, what: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if not value < float("inf") or value < low or (strict and value == low):
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    return _float_in(text, 0.0, True, "a number > 0")
+
+
+def _non_negative_float(text: str) -> float:
+    return _float_in(text, 0.0, False, "a number >= 0")
+
+
 def _port(text: str) -> int:
     return _int_in(text, 0, 65535, "a port 0..65535")
 
@@ -74,8 +92,29 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     u.add_argument("--block-size", type=_positive_int, default=16)
     u.add_argument("--host", default="127.0.0.1")
-    u.add_argument("--port", type=_port, default=8000)
+    u.add_argument("--port", type=_port, default=8000, help="first router's port (then +1, ...)")
     u.add_argument("--api-key", default=None)
+    u.add_argument("--routers", type=_positive_int, default=1, help="routers (one port each)")
+    membership = u.add_mutually_exclusive_group()
+    membership.add_argument(
+        "--etcd", action="store_true", help="start a local etcd; workers register, routers watch"
+    )
+    membership.add_argument(
+        "--discovery", default=None, metavar="etcd://HOST:PORT[/PREFIX]", help="an existing etcd"
+    )
+    u.add_argument(
+        "--max-restarts",
+        type=_non_negative_int,
+        default=5,
+        help="exits of one process within --restart-window-s before it is given up",
+    )
+    u.add_argument("--restart-window-s", type=_positive_float, default=60.0)
+    u.add_argument(
+        "--liveness-timeout-s",
+        type=_non_negative_float,
+        default=30.0,
+        help="kill and restart a process that answers no health probe this long (0: never)",
+    )
 
     st = sub.add_parser("status", help="router, mode and workers of a running cluster")
     st.add_argument("--url", default=None, help="router URL (default: the running `pdserve up`)")
@@ -208,6 +247,7 @@ def _cmd_chaos(args: argparse.Namespace) -> int:
 
 def _cmd_up(args: argparse.Namespace) -> int:
     from pdserve.launcher import UpConfig, run_up
+    from pdserve.supervise.policy import RestartPolicy
 
     config = UpConfig(
         num_prefill=args.prefill,
@@ -219,14 +259,28 @@ def _cmd_up(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         block_size=args.block_size,
         api_key=args.api_key,
+        num_routers=args.routers,
+        discovery=args.discovery,
+        local_etcd=args.etcd,
+        restart=RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window_s),
+        liveness_timeout_s=args.liveness_timeout_s or None,
     )
     return run_up(config)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from pdserve.status import collect_status, find_router_url, render_json, render_table
+    import dataclasses
 
-    status = collect_status(find_router_url(args.url))
+    from pdserve.status import (
+        collect_status,
+        find_router_url,
+        read_processes,
+        render_json,
+        render_table,
+    )
+
+    url = find_router_url(args.url)
+    status = dataclasses.replace(collect_status(url), processes=read_processes(url))
     print(render_json(status) if args.json else render_table(status))
     return 0
 

@@ -22,7 +22,13 @@ from pdserve.bench.chaos_scenarios import (
     REQUEST_TIMEOUT_S,
     WorkerSpec,
 )
-from pdserve.launcher import Child, spawn_child, stop_children, wait_child_ready, worker_threads
+from pdserve.supervise.process import (
+    Child,
+    spawn_child,
+    stop_children,
+    wait_child_ready,
+    worker_threads,
+)
 
 
 def http_json(url: str, body: object | None = None, timeout_s: float = 5.0) -> dict[str, object]:

@@ -308,7 +308,7 @@ def run_routings(config: MultiTurnConfig) -> list[RoutingResult]:
             router = cluster.start()
             with urllib.request.urlopen(f"{router}/v1/models", timeout=10) as resp:
                 model = str(json.loads(resp.read())["data"][0]["id"])
-            workers = [ch.url for ch in cluster.children if ch.name != "router" and ch.url]
+            workers = list(cluster.worker_urls)
             endpoints[routing] = (router, model, workers)
         return asyncio.run(_run_all(config, endpoints))
     finally:

@@ -42,6 +42,7 @@ from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.disagg import DisaggFlow
 from pdserve.router.dispatcher import Dispatcher
 from pdserve.router.flow import Flow
+from pdserve.router.health_watch import HealthWatch
 from pdserve.router.kv_feed import KVEventFeed
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.openai_api import OpenAIApi, error_body
@@ -340,6 +341,9 @@ async def create_app(config: RouterConfig) -> web.Application:
 
     # Every router following the same workers' KV events holds the same prefix index.
     feed = KVEventFeed(lambda: pool.urls, client, affinity.index)
+    watch = (
+        HealthWatch(pool, client, config.health_deadline_s) if config.health_deadline_s else None
+    )
     app = web.Application(middlewares=[_middleware(config, dispatcher, metrics)])
     api = OpenAIApi(config, tokenizer, max_model_len, dispatcher, metrics)
     metrics.handoff_spikes = api.spikes.counts
@@ -355,8 +359,12 @@ async def create_app(config: RouterConfig) -> web.Application:
     async def on_startup(_: web.Application) -> None:
         await pool.start()
         await feed.start()
+        if watch is not None:
+            await watch.start()
 
     async def on_cleanup(_: web.Application) -> None:
+        if watch is not None:
+            await watch.stop()
         await feed.stop()
         await pool.stop()
         await session.close()

@@ -68,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--lease-ttl-s", type=float, default=30.0, help="decode reservation / prefill KV lease"
     )
     p.add_argument(
+        "--health-deadline-s",
+        type=float,
+        default=3.0,
+        help="cut a worker's open streams once its health polls failed this long (0: never)",
+    )
+    p.add_argument(
         "--timeline-ring",
         type=int,
         default=1000,
@@ -137,6 +143,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
         request_timeout_s=args.request_timeout_s,
         lease_ttl_s=args.lease_ttl_s,
         timeline_ring=args.timeline_ring,
+        health_deadline_s=args.health_deadline_s,
         breaker=BreakerConfig(
             enabled=not args.no_breaker,
             window=args.breaker_window,
