@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from pdserve.errors import PdserveError
+from pdserve.errors import ConfigError, PdserveError
 
 
 def _int_in(text: str, low: int, high: int | None, what: str) -> int:
@@ -172,6 +172,29 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="draw each scenario's slowest completed request's timeline into DIR (pdserve[plot])",
     )
+    soak = c.add_argument_group(
+        "soak (sustained load under a seeded nemesis: pdserve chaos --soak 10m)"
+    )
+    soak.add_argument(
+        "--soak", default=None, metavar="DURATION", help="run a soak this long (90, 90s, 10m)"
+    )
+    soak.add_argument("--rate", default="1.0", help="requests per second (Poisson)")
+    soak.add_argument(
+        "--nemesis", default="all", metavar="LIST", help="faults: all, or a comma list of names"
+    )
+    soak.add_argument("--seed", default="0", help="seed of the load and the faults")
+    soak.add_argument(
+        "--fault-interval-s", default="8", help="at least one fault starts in every such interval"
+    )
+    soak.add_argument("--fault-free-s", default="30", help="seconds of the fault-free phase")
+    soak.add_argument("--min-availability", default="0.99", help="target, excluding router kills")
+    soak.add_argument("--history", type=Path, default=None, help="write the history (JSON lines)")
+    soak.add_argument(
+        "--no-netns", action="store_true", help="keep workers on loopback (no partition fault)"
+    )
+    soak.add_argument(
+        "--check", type=Path, default=None, metavar="HISTORY", help="judge a stored history again"
+    )
 
     b = sub.add_parser("bench", help="benchmarks that print a table and ratios")
     bsub = b.add_subparsers(dest="bench", required=True)
@@ -228,9 +251,44 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return run_engine_bench(args)
 
 
+def _number(flag: str, text: str, kind: type[int] | type[float]) -> float:
+    try:
+        return kind(text)
+    except ValueError:
+        raise ConfigError(f"{flag}: {text!r} is not a valid {kind.__name__}") from None
+
+
+def _cmd_soak(args: argparse.Namespace) -> int:
+    from pdserve.bench.soak import SoakConfig, check_history, parse_duration, run_soak
+    from pdserve.bench.soak_history import SoakTargets
+    from pdserve.bench.soak_plan import parse_nemesis
+
+    if args.check is not None:
+        return check_history(args.check, args.json)
+    config = SoakConfig(
+        duration_s=parse_duration(args.soak),
+        rate=_number("--rate", args.rate, float),
+        nemesis=parse_nemesis(args.nemesis),
+        seed=int(_number("--seed", args.seed, int)),
+        fault_interval_s=_number("--fault-interval-s", args.fault_interval_s, float),
+        fault_free_s=_number("--fault-free-s", args.fault_free_s, float),
+        model=args.model,
+        workdir=args.workdir,
+        json_path=args.json,
+        history_path=args.history,
+        plot_dir=args.plot,
+        use_netns=not args.no_netns,
+        targets=SoakTargets(_number("--min-availability", args.min_availability, float)),
+    )
+    return run_soak(config, "pdserve " + " ".join(sys.argv[1:]))
+
+
 def _cmd_chaos(args: argparse.Namespace) -> int:
     from pdserve.bench.chaos import ChaosConfig, run_chaos
     from pdserve.bench.chaos_scenarios import find_scenarios
+
+    if args.soak is not None or args.check is not None:
+        return _cmd_soak(args)
 
     config = ChaosConfig(
         scenarios=find_scenarios(args.scenario),

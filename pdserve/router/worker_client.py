@@ -23,6 +23,8 @@ from pdserve.errors import RouterError, WorkerCallError, WorkerUnreachable
 from pdserve.worker.protocol import (
     DecodeRequest,
     ErrorBody,
+    FaultPlanBody,
+    FaultState,
     GenerateRequest,
     KVEventBatch,
     KVEventsRequest,
@@ -111,6 +113,14 @@ class WorkerClient:
         """GET /debug/requests/{id}: the worker's timeline events for a router request."""
         path = f"/debug/requests/{request_id}"
         return await self._get(url, path, WorkerEvents, self._timeouts.health_s)
+
+    async def faults(self, url: str) -> FaultState:
+        """GET /admin/faults (tests and chaos runs: workers started with --enable-fault-admin)."""
+        return await self._get(url, "/admin/faults", FaultState, self._timeouts.health_s)
+
+    async def set_faults(self, url: str, plan: FaultPlanBody) -> FaultState:
+        """POST /admin/faults: replace the worker's fault plan (no rules: clear it)."""
+        return await self._post(url, "/admin/faults", plan, FaultState, self._timeouts.control_s)
 
     async def reserve(self, url: str, request: ReserveRequest) -> Reservation:
         """POST /reserve: a decode slot and blocks for a transfer."""
