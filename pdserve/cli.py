@@ -265,6 +265,11 @@ def _cmd_soak(args: argparse.Namespace) -> int:
 
     if args.check is not None:
         return check_history(args.check, args.json)
+    import logging
+
+    # Progress on stderr: phases, each fault applied, each restart (not per-request lines).
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("pdserve.timeline").setLevel(logging.WARNING)
     config = SoakConfig(
         duration_s=parse_duration(args.soak),
         rate=_number("--rate", args.rate, float),

@@ -12,9 +12,10 @@ that requests (turns included) arrive at `rate` per second on average.
 **Nemesis** (`plan_faults`): a fault starts every `max_interval_s / 2` to `max_interval_s`
 seconds (so at least one per `max_interval_s`), each a kind drawn from the enabled ones with a
 target drawn from the cluster's shape, and most last seconds, so they overlap. The plan keeps
-one member of every group (prefill, decode, routers) out of reach at any time: the targets
-measure failover, and a cluster with no decode worker left serves nobody whatever it does.
-A killed process counts as busy for the time it typically takes to come back.
+one decode worker and one router out of reach at any time: the targets measure failover, and
+a cluster with no decode worker (or no router) left serves nobody whatever it does. Both
+prefill workers may be down together: the decode workers then prefill locally. A killed
+process counts as busy for the time it typically takes to come back.
 
 The same seed, duration, rate and shape give the same plans: a failed soak replays with the
 seed its history records.
@@ -440,7 +441,7 @@ def _draw(
         members = [
             (group, n)
             for group in (("router",) if kind in _ROUTER_FAULTS else ("prefill", "decode"))
-            if len(groups[group]) > 1 and group_down.get(group, 0.0) <= t
+            if group == "prefill" or (len(groups[group]) > 1 and group_down.get(group, 0.0) <= t)
             for n in groups[group]
             if free(n)
         ]

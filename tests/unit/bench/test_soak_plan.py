@@ -18,6 +18,7 @@ from pdserve.bench.soak_plan import (
     plan_faults,
     plan_load,
 )
+from pdserve.cli import main
 from pdserve.errors import ConfigError
 
 SHAPE = ClusterShape(("prefill-0", "prefill-1"), ("decode-0", "decode-1"), ("router-0", "router-1"))
@@ -66,19 +67,23 @@ def test_faults_come_at_least_every_interval_and_overlap() -> None:
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_the_nemesis_leaves_a_live_member_in_every_group(seed: int) -> None:
+def test_the_nemesis_leaves_a_live_decode_worker_and_router(seed: int) -> None:
     faults = plan_faults(seed, 600, ALL_FAULTS, SHAPE, max_interval_s=4.0)
     away = {"kill-worker": 12.0, "kill-router": 6.0}
-    groups = {"prefill": SHAPE.prefill, "decode": SHAPE.decode, "router": SHAPE.routers}
+    groups = {"decode": SHAPE.decode, "router": SHAPE.routers}
     windows = [
         (f.at_s, f.at_s + f.duration_s + away.get(f.kind, 0.0), f.targets[0])
         for f in faults
         if f.kind.startswith(("kill-", "pause-"))
     ]
+    prefill_all_down = False
     for t in [w[0] for w in windows]:
         down = {name for start, end, name in windows if start <= t < end}
         for members in groups.values():
             assert set(members) - down, (t, down)
+        prefill_all_down |= set(SHAPE.prefill) <= down
+    # Both prefill workers may be away together: decode workers prefill locally then.
+    assert prefill_all_down
     transfer = [f for f in faults if f.rules]
     assert transfer and all(f.targets[0] in SHAPE.prefill for f in transfer)
     for f in faults:
@@ -104,3 +109,45 @@ def test_bad_mixes_and_rates_are_refused() -> None:
         LoadMix(chat=1.5)
     with pytest.raises(ConfigError, match="rate"):
         plan_load(1, 10, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--soak", "abc"], "--soak"),
+        (["--soak", "-5"], "--soak"),
+        (["--soak", "0s"], "--soak"),
+        (["--soak", "60", "--rate", "0"], "--rate"),
+        (["--soak", "60", "--rate", "fast"], "--rate"),
+        (["--soak", "60", "--nemesis", "kill-worker,kill-etcd"], "--nemesis"),
+        (["--soak", "60", "--fault-interval-s", "0"], "--fault-interval-s"),
+        (["--soak", "60", "--fault-free-s", "-1"], "--fault-free-s"),
+        (["--soak", "60", "--seed", "x"], "--seed"),
+        (["--soak", "60", "--min-availability", "1.5"], "--min-availability"),
+    ],
+)
+def test_bad_soak_flags_exit_2_naming_the_flag_before_anything_starts(
+    flags: list[str],
+    named: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import pdserve.bench.soak as soak
+
+    def never(*args: object, **kwargs: object) -> int:
+        raise AssertionError("the soak started")
+
+    monkeypatch.setattr(soak, "run_soak", never)
+    assert main(["chaos", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pdserve chaos: error: ") and named in err and err.count("\n") == 1
+
+
+def test_a_soak_without_etcd_stops_before_any_process_saying_what_to_install(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pdserve.supervise.etcd as etcd
+
+    monkeypatch.setattr(etcd.shutil, "which", lambda name: None)
+    assert main(["chaos", "--soak", "10", "--no-netns"]) == 2
+    assert "etcd is not on PATH (Debian: apt-get install etcd-server)" in capsys.readouterr().err
