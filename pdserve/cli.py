@@ -259,9 +259,10 @@ def _number(flag: str, text: str, kind: type[int] | type[float]) -> float:
 
 
 def _cmd_soak(args: argparse.Namespace) -> int:
-    from pdserve.bench.soak import SoakConfig, check_history, parse_duration, run_soak
+    from pdserve.bench.nemesis_plan import parse_nemesis
+    from pdserve.bench.soak import SoakConfig, parse_duration, run_soak
     from pdserve.bench.soak_history import SoakTargets
-    from pdserve.bench.soak_plan import parse_nemesis
+    from pdserve.bench.soak_report import check_history
 
     if args.check is not None:
         return check_history(args.check, args.json)

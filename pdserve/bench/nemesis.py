@@ -24,9 +24,9 @@ import os
 import signal
 from collections.abc import Sequence
 
+from pdserve.bench.nemesis_plan import FaultKind, PlannedFault
 from pdserve.bench.netlab import Lab
 from pdserve.bench.soak_history import FaultRecord
-from pdserve.bench.soak_plan import FaultKind, PlannedFault
 from pdserve.errors import RouterError
 from pdserve.router.worker_client import WorkerClient
 from pdserve.supervise.supervisor import ChildState, Supervisor

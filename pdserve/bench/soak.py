@@ -25,36 +25,34 @@ import logging
 import math
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 
 from pdserve.bench.nemesis import Nemesis
+from pdserve.bench.nemesis_plan import (
+    ALL_FAULTS,
+    ClusterShape,
+    FaultKind,
+    PlannedFault,
+    plan_faults,
+)
 from pdserve.bench.netlab import Lab, lab, probe_netns
-from pdserve.bench.soak_check import Verdict, check
+from pdserve.bench.soak_check import check
 from pdserve.bench.soak_history import (
-    FaultRecord,
     History,
     Phase,
     Quiescence,
     SoakMeta,
     SoakTargets,
     WorkerQuiescence,
-    to_lines,
 )
 from pdserve.bench.soak_load import Endpoints, LoadRunner
-from pdserve.bench.soak_plan import (
-    ALL_FAULTS,
-    ClusterShape,
-    FaultKind,
-    PlannedFault,
-    plan_faults,
-    plan_load,
-)
+from pdserve.bench.soak_plan import plan_load
 from pdserve.bench.soak_reference import Prepared, prepare
+from pdserve.bench.soak_report import SoakResult, render_report, verdict_json, write_history
 from pdserve.errors import ConfigError, RouterError
 from pdserve.launcher import Cluster, UpConfig
 from pdserve.model.config import load_config
@@ -137,15 +135,6 @@ def parse_duration(text: str) -> float:
     return seconds
 
 
-@dataclass(slots=True)
-class SoakResult:
-    """A finished soak: the history and the checker's verdict."""
-
-    history: History
-    verdict: Verdict
-    wall_s: float = 0.0
-
-
 @contextlib.contextmanager
 def _machines(config: SoakConfig) -> Iterator[tuple[Lab | None, str | None]]:
     """A network lab with one namespace per worker, or None and the reason there is none."""
@@ -160,7 +149,9 @@ def _machines(config: SoakConfig) -> Iterator[tuple[Lab | None, str | None]]:
         yield machines, None
 
 
-def _placer(machines: Lab | None) -> Any:
+def _placer(machines: Lab | None) -> Callable[[ChildSpec], ChildSpec]:
+    """Where each worker runs: its own namespace and address when there is a lab."""
+
     def place(spec: ChildSpec) -> ChildSpec:
         if machines is None:
             return spec
@@ -356,64 +347,6 @@ async def run_soak_async(config: SoakConfig, command: str = "") -> SoakResult:
     return SoakResult(history, verdict, time.perf_counter() - start)
 
 
-def write_history(history: History, path: Path) -> None:
-    """The history as JSON lines at `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as out:
-        for line in to_lines(history):
-            out.write(line + "\n")
-
-
-def render_report(result: SoakResult) -> str:
-    """The soak's figures, violations and missed targets, for a terminal."""
-    v, meta = result.verdict, result.history.meta
-    s, free = v.soak, v.fault_free
-    lines = [
-        f"soak {meta.duration_s:.0f} s at {meta.rate:g} req/s, seed {meta.seed},"
-        f" nemesis {','.join(meta.nemesis)}; wall {result.wall_s:.0f} s",
-        f"faults: {v.num_faults_applied} applied, {v.num_faults_skipped} skipped"
-        + (f" (partition not run: {meta.netns_unavailable})" if meta.netns_unavailable else ""),
-        f"requests: {s.num_sent} sent, {s.num_ok} as expected, {s.num_typed_errors} typed errors,"
-        f" {s.num_excused} with their router killed",
-        f"availability {s.availability:.4f}; excluding router kills {s.availability_excused:.4f}",
-        f"divergent {s.num_divergent}, tokens lost {s.num_tokens_lost}, duplicated"
-        f" {s.num_tokens_duplicated}, past deadline {s.num_past_deadline}, leaked blocks"
-        f" {v.num_leaked_blocks}, processes left {len(result.history.quiescence.processes_left)}",
-        f"goodput {v.goodput_req_s:.3f} req/s ({v.goodput_tokens_s:.1f} tok/s) under faults vs"
-        f" {v.fault_free_goodput_req_s:.3f} req/s ({v.fault_free_goodput_tokens_s:.1f} tok/s)"
-        f" fault-free ({free.num_ok}/{free.num_sent} ok): ratio {v.goodput_ratio:.3f}",
-    ]
-    if s.errors:
-        lines.append("typed errors: " + ", ".join(f"{k} x{n}" for k, n in sorted(s.errors.items())))
-    lines.append(f"{'fault':<14} {'count':>5} {'recovered':>9} {'p50 s':>7} {'max s':>7}")
-    for r in v.recovery:
-        lines.append(
-            f"{r.kind:<14} {r.num_faults:>5} {r.num_recovered:>9} {r.p50_s:>7.2f} {r.max_s:>7.2f}"
-        )
-    for x in v.violations[:20]:
-        lines.append(f"violation [{x.phase} #{x.index}] {x.rule}: {x.detail}")
-    if len(v.violations) > 20:
-        lines.append(f"... {len(v.violations) - 20} more violations in the JSON report")
-    lines.append("PASS" if v.passed else "FAIL: " + "; ".join(v.missed))
-    return "\n".join(lines)
-
-
-def verdict_json(result: SoakResult) -> dict[str, object]:
-    """The verdict and its figures as JSON-ready data."""
-    v = result.verdict
-    data = dataclasses.asdict(v)
-    data.update(
-        passed=v.passed,
-        goodput_ratio=v.goodput_ratio,
-        availability=v.soak.availability,
-        availability_excluding_router_kills=v.soak.availability_excused,
-        meta=dataclasses.asdict(result.history.meta),
-        faults=[dataclasses.asdict(f) for f in result.history.faults],
-        wall_s=result.wall_s,
-    )
-    return data
-
-
 def run_soak(config: SoakConfig, command: str = "") -> int:
     """The `pdserve chaos --soak` command: 0 when every target held, 1 otherwise."""
     if config.plot_dir is not None:
@@ -435,20 +368,3 @@ def _write_outputs(config: SoakConfig, result: SoakResult) -> None:
         from pdserve.bench.soak_plot import save_soak_plot
 
         save_soak_plot(result.history, config.plot_dir / "soak.png")
-
-
-def check_history(path: Path, json_path: Path | None = None) -> int:
-    """`pdserve chaos --check HISTORY`: judge a stored history again (0: passed)."""
-    from pdserve.bench.soak_history import from_lines
-
-    history = from_lines(path.read_text().splitlines())
-    result = SoakResult(history, check(history))
-    if json_path is not None:
-        json_path.write_text(json.dumps(verdict_json(result), indent=2, default=str))
-    print(render_report(result))
-    return 0 if result.verdict.passed else 1
-
-
-def fault_records(history: History) -> list[FaultRecord]:
-    """The faults that were applied, by start time (for reports)."""
-    return sorted((f for f in history.faults if f.applied), key=lambda f: f.start_s or 0.0)

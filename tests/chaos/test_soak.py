@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench.soak import SoakConfig, SoakResult, render_report, run_soak_async, write_history
+from pdserve.bench.soak import SoakConfig, run_soak_async
 from pdserve.bench.soak_check import check
 from pdserve.bench.soak_history import Phase, from_lines
+from pdserve.bench.soak_report import SoakResult, render_report, write_history
 
 pytestmark = [
     pytest.mark.slow,

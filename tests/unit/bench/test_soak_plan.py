@@ -8,16 +8,14 @@ import itertools
 
 import pytest
 
-from pdserve.bench.soak_plan import (
+from pdserve.bench.nemesis_plan import (
     ALL_FAULTS,
-    Api,
     ClusterShape,
     FaultKind,
-    LoadMix,
     parse_nemesis,
     plan_faults,
-    plan_load,
 )
+from pdserve.bench.soak_plan import Api, LoadMix, plan_load
 from pdserve.cli import main
 from pdserve.errors import ConfigError
 
