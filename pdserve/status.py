@@ -21,6 +21,7 @@ from urllib.request import urlopen
 
 from pdserve.errors import PdserveError
 from pdserve.launcher import default_state_file
+from pdserve.supervise.supervisor import ChildStatus
 from pdserve.worker.protocol import WorkerHealth
 
 
@@ -85,25 +86,10 @@ class ClusterStatus:
     # Why the router is degraded (e.g. pools whose fingerprints cannot pair), as it says.
     problems: tuple[str, ...] = ()
     # The processes `pdserve up` supervises (empty for a cluster it did not start).
-    processes: tuple[ProcessRow, ...] = ()
+    processes: tuple[ChildStatus, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class ProcessRow:
-    """One process of a `pdserve up`, from its state file."""
-
-    name: str
-    kind: str
-    # starting, running, backoff (waiting to restart), given_up (crash loop), stopped.
-    state: str
-    pid: int | None
-    url: str | None
-    num_restarts: int
-    last_exit: str | None = None
-    reason: str | None = None
-
-
-def read_processes(router_url: str, state_file: Path | None = None) -> tuple[ProcessRow, ...]:
+def read_processes(router_url: str, state_file: Path | None = None) -> tuple[ChildStatus, ...]:
     """The supervised processes of the `pdserve up` serving `router_url`, if it wrote them."""
     path = state_file or default_state_file()
     try:
@@ -111,7 +97,7 @@ def read_processes(router_url: str, state_file: Path | None = None) -> tuple[Pro
         if router_url.rstrip("/") not in [u.rstrip("/") for u in state.get("router_urls", [])]:
             return ()
         return tuple(
-            ProcessRow(
+            ChildStatus(
                 str(c["name"]),
                 str(c.get("kind", "")),
                 str(c.get("state", "")),
@@ -120,6 +106,7 @@ def read_processes(router_url: str, state_file: Path | None = None) -> tuple[Pro
                 int(c.get("num_restarts", 0)),
                 c.get("last_exit"),
                 c.get("reason"),
+                tuple(c.get("pids", ())),
             )
             for c in state.get("children", [])
         )
