@@ -1,5 +1,7 @@
 """`pdserve up` as a user runs it: one command starts router and workers, a completion works
-end to end, `pdserve status` shows the cluster, and SIGTERM leaves no process and no port."""
+end to end, `pdserve status` shows the cluster, and SIGTERM leaves no process and no port; with
+two routers (static or etcd membership), a killed worker and a killed router come back at their
+addresses, rejoin, serve the same text, and `pdserve status` shows their restarts."""
 
 from __future__ import annotations
 
@@ -150,13 +152,18 @@ def _wait(what: str, done: object, timeout_s: float = 90.0) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not on PATH (etcd-server)")
-def test_up_restarts_what_dies_and_status_shows_it(tiny_model_path: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("membership", ["etcd", "static"])
+def test_up_restarts_what_dies_and_status_shows_it(
+    tiny_model_path: Path, tmp_path: Path, membership: str
+) -> None:
+    if membership == "etcd" and shutil.which("etcd") is None:
+        pytest.skip("etcd is not on PATH (etcd-server)")
     port = free_port()
     env = {**os.environ, "PDSERVE_CACHE": str(tmp_path)}
     state_file = tmp_path / "up.json"
     args = [sys.executable, "-m", "pdserve", "up", "--prefill", "1", "--decode", "2"]
-    args += ["--routers", "2", "--etcd", "--port", str(port), "--model", str(tiny_model_path)]
+    args += ["--routers", "2", "--port", str(port), "--model", str(tiny_model_path)]
+    args += ["--etcd"] if membership == "etcd" else []
     errors = tmp_path / "up.stderr"
     with errors.open("w") as err:
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
@@ -165,16 +172,11 @@ def test_up_restarts_what_dies_and_status_shows_it(tiny_model_path: Path, tmp_pa
         line = proc.stdout.readline() if proc.stdout else ""
         assert "pdserve is up at" in line, errors.read_text()
         routers = [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
-        assert all(r in line for r in routers) and "membership etcd etcd://" in line
+        assert all(r in line for r in routers)
+        assert ("membership etcd etcd://" in line) == (membership == "etcd")
         before = _children(state_file)
-        assert sorted(before) == [
-            "decode-0",
-            "decode-1",
-            "etcd",
-            "prefill-0",
-            "router-0",
-            "router-1",
-        ]
+        names = ["decode-0", "decode-1", "prefill-0", "router-0", "router-1"]
+        assert sorted(before) == sorted([*names, "etcd"] if membership == "etcd" else names)
         seen |= {int(c["pid"]) for c in before.values()}  # type: ignore[call-overload]
         body = {"model": tiny_model_path.name, "prompt": "The quick brown fox", "max_tokens": 8}
         body["temperature"] = 0
