@@ -47,6 +47,11 @@ class RequestRecord:
     disconnect_after: int | None = None
     expected_token_ids: tuple[int, ...] = ()
     expected_text: str = ""
+    # Other fault-free outputs of the same request (the request computed alone, when what was
+    # received differs from the batched reference: the engine's numerics depend on the batch,
+    # so at a near-tie of two tokens either branch is a correct output), with their texts.
+    alternative_token_ids: tuple[tuple[int, ...], ...] = ()
+    alternative_texts: tuple[str, ...] = ()
     # The `param` a malformed request's 400 must name (None: none, e.g. malformed JSON).
     expected_param: str | None = None
     start_s: float = 0.0
@@ -214,7 +219,7 @@ def _build(cls: type[T], obj: dict[str, Any]) -> T:
         elif nested is not None and isinstance(value, list):
             value = tuple(_build(nested, v) for v in value)
         elif isinstance(value, list):
-            value = tuple(value)
+            value = tuple(tuple(v) if isinstance(v, list) else v for v in value)
         elif name in _ENUMS:
             value = _ENUMS[name](value)
         values[name] = value

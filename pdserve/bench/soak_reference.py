@@ -10,9 +10,12 @@ it, and every request has one right answer. The expected text is what the router
 `OutputStream` makes of the reference tokens (EOS, detokenization, max_tokens), so it is
 compared with what clients receive by the same rules.
 
-A greedy or seeded request gives the same tokens on any engine and any batch (sampling is
-keyed by seed and token index); the soak's fault-free phase checks that assumption on the real
-cluster before any fault is judged against it.
+Sampling is keyed by (seed, token index), so a greedy or seeded request draws the same
+tokens on any engine, with one caveat measured in the soak: the engine's numerics depend on
+the batch (padded decode attention, matmul shapes), so at a near-tie of the two best tokens a
+request can take the other branch in another batch. Either branch is a correct fault-free
+output: `alone` computes a request by itself (one request in the engine, no prefix cache), the
+second opinion the soak asks for each request whose output differs from the batched reference.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ class Prepared:
     expected_text: str = ""
     # For a malformed request: the `param` its 400 names (None: none).
     expected_param: str | None = None
+    # The prompt as the router tokenizes it (empty for a malformed request).
+    prompt_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -115,10 +120,11 @@ def prepare(
                 continue
             batch.append((r, conversation, ids))
         results = llm.generate([ids for _, _, ids in batch], [_params(r) for r, _, _ in batch])
-        for (r, conversation, _), result in zip(batch, results, strict=True):
+        for (r, conversation, ids), result in zip(batch, results, strict=True):
             tokens = tuple(result.token_ids)
             text = _text(tokenizer, r, tokens)
-            out[r.index] = Prepared(r, PATHS[r.api], _body(r, model, conversation), tokens, text)
+            body = _body(r, model, conversation)
+            out[r.index] = Prepared(r, PATHS[r.api], body, tokens, text, None, tuple(ids))
             if r.session is not None:
                 conversation.prompt_token_ids = [*conversation.prompt_token_ids, *tokens]
                 conversation.messages = [
@@ -148,3 +154,19 @@ def _text(tokenizer: Tokenizer, r: PlannedRequest, tokens: Sequence[int]) -> str
     if not output.finished:
         text += output.finish("length" if len(tokens) >= r.max_tokens else "stop")
     return text
+
+
+def alone(
+    requests: Sequence[Prepared], model_path: Path, block_size: int = 16
+) -> dict[int, tuple[tuple[int, ...], str]]:
+    """Each request computed by itself: index -> (tokens, text as the router sends them)."""
+    from pdserve.llm import LLM
+
+    tokenizer = Tokenizer(model_path)
+    llm = LLM(str(model_path), block_size=block_size, enable_prefix_caching=False)
+    out: dict[int, tuple[tuple[int, ...], str]] = {}
+    for p in requests:
+        (result,) = llm.generate([list(p.prompt_token_ids)], [_params(p.planned)])
+        tokens = tuple(result.token_ids)
+        out[p.planned.index] = (tokens, _text(tokenizer, p.planned, tokens))
+    return out

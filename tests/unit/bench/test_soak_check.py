@@ -70,7 +70,7 @@ def clean_soak() -> list[RequestRecord]:
 
 def test_a_clean_history_passes_with_exact_figures() -> None:
     v = check(history(*clean_soak()))
-    assert v.passed and v.violations == []
+    assert v.passed and v.violations == [] and v.soak.num_reference_ties == 0
     assert (v.soak.num_sent, v.soak.num_ok, v.soak.num_ok_tokens) == (5, 5, 20)
     assert v.soak.availability == v.soak.availability_excused == 1.0
     assert (v.goodput_req_s, v.fault_free_goodput_req_s, v.goodput_ratio) == (0.5, 0.6, 0.5 / 0.6)
@@ -205,7 +205,14 @@ def test_targets_come_from_the_history() -> None:
 def test_the_history_round_trips_through_json_lines() -> None:
     h = history(
         *clean_soak(),
-        req(5, ending=Ending.CUT, token_ids=(11,), routers=("router-0", "router-1")),
+        req(
+            5,
+            ending=Ending.CUT,
+            token_ids=(11,),
+            routers=("router-0", "router-1"),
+            alternative_token_ids=((11, 7),),
+            alternative_texts=("ax",),
+        ),
         faults=(FaultRecord(0, "partition", ("prefill-0", "decode-1"), 1.0, True, 1.2, 4.0),),
         rest=Quiescence((WorkerQuiescence("decode-0", True, 1, 1),), ("x pid 1",), ()),
     )
@@ -215,3 +222,24 @@ def test_the_history_round_trips_through_json_lines() -> None:
     with pytest.raises(ValueError, match="history line 2"):
         from_lines(['{"type": "meta", ' + next(iter(to_lines(h)))[1:], '{"type": "x"}'])
     assert math.isnan(check(History(META)).soak.availability)
+
+
+def test_another_fault_free_output_of_the_request_is_accepted_and_counted() -> None:
+    alt = (11, 12, 99, 98)
+    tie = req(
+        5, token_ids=alt, text="abXY", alternative_token_ids=(alt,), alternative_texts=("abXY",)
+    )
+    cut = req(
+        6,
+        ending=Ending.STREAM_ERROR,
+        token_ids=(11, 12, 99),
+        error_type="server_error",
+        alternative_token_ids=(alt,),
+        alternative_texts=("abXY",),
+    )
+    v = check(history(*clean_soak(), tie, cut))
+    assert v.violations == [] and v.soak.num_reference_ties == 2
+    wrong_text = dataclasses.replace(tie, text="abcd")
+    assert "1 x text_differs (target 0)" in check(history(*clean_soak(), wrong_text)).missed
+    other = dataclasses.replace(tie, token_ids=(11, 12, 99, 97))
+    assert "1 divergent outputs (target 0)" in check(history(*clean_soak(), other)).missed
