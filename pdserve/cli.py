@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pdserve.config_file import add_config_flag
-from pdserve.errors import PdserveError
+from pdserve.errors import ConfigError, PdserveError
 from pdserve.flags import add_engine_flags, add_policy_flags
 
 
@@ -38,6 +38,24 @@ def _positive_int(text: str) -> int:
 
 def _non_negative_int(text: str) -> int:
     return _int_in(text, 0, None, "an integer >= 0")
+
+
+def _float_in(text: str, low: float, strict: bool, what: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if not value < float("inf") or value < low or (strict and value == low):
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    return _float_in(text, 0.0, True, "a number > 0")
+
+
+def _non_negative_float(text: str) -> float:
+    return _float_in(text, 0.0, False, "a number >= 0")
 
 
 def _port(text: str) -> int:
@@ -95,11 +113,32 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     u.add_argument("--block-size", type=_positive_int, default=16)
     u.add_argument("--host", default="127.0.0.1")
-    u.add_argument("--port", type=_port, default=8000)
+    u.add_argument("--port", type=_port, default=8000, help="first router's port (then +1, ...)")
     u.add_argument("--api-key", default=None)
     add_config_flag(u)
     u.set_defaults(router_flags=_added(u, add_policy_flags, max_model_len=False))
     u.set_defaults(worker_flags=_added(u, add_engine_flags))
+    u.add_argument("--routers", type=_positive_int, default=1, help="routers (one port each)")
+    membership = u.add_mutually_exclusive_group()
+    membership.add_argument(
+        "--etcd", action="store_true", help="start a local etcd; workers register, routers watch"
+    )
+    membership.add_argument(
+        "--discovery", default=None, metavar="etcd://HOST:PORT[/PREFIX]", help="an existing etcd"
+    )
+    u.add_argument(
+        "--max-restarts",
+        type=_non_negative_int,
+        default=5,
+        help="exits of one process within --restart-window-s before it is given up",
+    )
+    u.add_argument("--restart-window-s", type=_positive_float, default=60.0)
+    u.add_argument(
+        "--liveness-timeout-s",
+        type=_non_negative_float,
+        default=30.0,
+        help="kill and restart a process that answers no health probe this long (0: never)",
+    )
 
     st = sub.add_parser("status", help="router, mode and workers of a running cluster")
     st.add_argument("--url", default=None, help="router URL (default: the running `pdserve up`)")
@@ -156,6 +195,29 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="DIR",
         help="draw each scenario's slowest completed request's timeline into DIR (pdserve[plot])",
+    )
+    soak = c.add_argument_group(
+        "soak (sustained load under a seeded nemesis: pdserve chaos --soak 10m)"
+    )
+    soak.add_argument(
+        "--soak", default=None, metavar="DURATION", help="run a soak this long (90, 90s, 10m)"
+    )
+    soak.add_argument("--rate", default="1.0", help="requests per second (Poisson)")
+    soak.add_argument(
+        "--nemesis", default="all", metavar="LIST", help="faults: all, or a comma list of names"
+    )
+    soak.add_argument("--seed", default="0", help="seed of the load and the faults")
+    soak.add_argument(
+        "--fault-interval-s", default="8", help="at least one fault starts in every such interval"
+    )
+    soak.add_argument("--fault-free-s", default="30", help="seconds of the fault-free phase")
+    soak.add_argument("--min-availability", default="0.99", help="target, excluding router kills")
+    soak.add_argument("--history", type=Path, default=None, help="write the history (JSON lines)")
+    soak.add_argument(
+        "--no-netns", action="store_true", help="keep workers on loopback (no partition fault)"
+    )
+    soak.add_argument(
+        "--check", type=Path, default=None, metavar="HISTORY", help="judge a stored history again"
     )
 
     a = sub.add_parser(
@@ -233,9 +295,50 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return run_engine_bench(args)
 
 
+def _number(flag: str, text: str, kind: type[int] | type[float]) -> float:
+    try:
+        return kind(text)
+    except ValueError:
+        raise ConfigError(f"{flag}: {text!r} is not a valid {kind.__name__}") from None
+
+
+def _cmd_soak(args: argparse.Namespace) -> int:
+    from pdserve.bench.nemesis_plan import parse_nemesis
+    from pdserve.bench.soak import SoakConfig, parse_duration, run_soak
+    from pdserve.bench.soak_history import SoakTargets
+    from pdserve.bench.soak_report import check_history
+
+    if args.check is not None:
+        return check_history(args.check, args.json)
+    import logging
+
+    # Progress on stderr: phases, each fault applied, each restart (not per-request lines).
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("pdserve.timeline").setLevel(logging.WARNING)
+    config = SoakConfig(
+        duration_s=parse_duration(args.soak),
+        rate=_number("--rate", args.rate, float),
+        nemesis=parse_nemesis(args.nemesis),
+        seed=int(_number("--seed", args.seed, int)),
+        fault_interval_s=_number("--fault-interval-s", args.fault_interval_s, float),
+        fault_free_s=_number("--fault-free-s", args.fault_free_s, float),
+        model=args.model,
+        workdir=args.workdir,
+        json_path=args.json,
+        history_path=args.history,
+        plot_dir=args.plot,
+        use_netns=not args.no_netns,
+        targets=SoakTargets(_number("--min-availability", args.min_availability, float)),
+    )
+    return run_soak(config, "pdserve " + " ".join(sys.argv[1:]))
+
+
 def _cmd_chaos(args: argparse.Namespace) -> int:
     from pdserve.bench.chaos import ChaosConfig, run_chaos
     from pdserve.bench.chaos_scenarios import find_scenarios
+
+    if args.soak is not None or args.check is not None:
+        return _cmd_soak(args)
 
     config = ChaosConfig(
         scenarios=find_scenarios(args.scenario),
@@ -281,6 +384,7 @@ def forwarded(actions: Sequence[argparse.Action], args: argparse.Namespace) -> l
 
 def _cmd_up(args: argparse.Namespace) -> int:
     from pdserve.launcher import UpConfig, run_up
+    from pdserve.supervise.policy import RestartPolicy
 
     worker_args = forwarded(args.worker_flags, args)
     # The router checks prompt lengths against the same limit the workers enforce.
@@ -298,14 +402,28 @@ def _cmd_up(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         router_args=tuple(forwarded(args.router_flags, args) + max_len + args.router_arg),
         worker_args=tuple(worker_args),
+        num_routers=args.routers,
+        discovery=args.discovery,
+        local_etcd=args.etcd,
+        restart=RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window_s),
+        liveness_timeout_s=args.liveness_timeout_s or None,
     )
     return run_up(config)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from pdserve.status import collect_status, find_router_url, render_json, render_table
+    import dataclasses
 
-    status = collect_status(find_router_url(args.url))
+    from pdserve.status import (
+        collect_status,
+        find_router_url,
+        read_processes,
+        render_json,
+        render_table,
+    )
+
+    url = find_router_url(args.url)
+    status = dataclasses.replace(collect_status(url), processes=read_processes(url))
     print(render_json(status) if args.json else render_table(status))
     return 0
 

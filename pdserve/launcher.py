@@ -1,37 +1,67 @@
-"""`pdserve up`: a router and its workers as child processes on loopback, started and stopped
-as one unit.
+"""`pdserve up`: routers and their workers as child processes on one host, kept up together.
 
 Life cycle: start every worker (port 0, each reports its real URL through a ready file), wait
-until each answers /health, start the router with their URLs, wait for it, print the URL and a
-curl line, then wait for Ctrl-C / SIGTERM or for a child to die. Stopping sends SIGTERM to every
-child by PID, waits, and SIGKILLs what is left, so no process and no port outlives `up`.
+until each answers /health, start the routers with their URLs (or with the etcd membership the
+workers registered in), wait for them, print the URLs and a curl line, then supervise until
+Ctrl-C / SIGTERM: a child that dies is restarted with backoff at the same address (its ports
+are pinned after the first start), a restarted worker must keep its fingerprint, a crash loop
+is given up with a message saying why, a child that answers no health probe for the liveness
+timeout is killed and restarted (`supervise/`). Stopping sends SIGTERM to every child by PID
+(routers first), waits, and SIGKILLs what is left, so no process and no port outlives `up`.
+The state file (`pdserve status` reads it) lists every child with its restarts.
 
 Decode workers run with role `both`: they take transferred KV in disaggregated mode and whole
 requests in colocated mode, which is what makes the rollback switch (`POST /admin/mode`) work
 without restarting anything. With `--mode auto` every worker is `both` (no prefill-only ones)
 and the router gives them prefill and decode roles itself when interference calls for it.
+
+Membership: the routers get the workers' URLs (static), or with `--etcd` a local etcd is
+started (and supervised) and every worker registers there, or with `--discovery URI` an
+existing etcd is used.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+from urllib.parse import urlsplit
 from urllib.request import urlopen
 
 from pdserve.auth.secret import ENV_VAR, new_secret_text, write_secret_file
-from pdserve.errors import ConfigError, PdserveError
+from pdserve.errors import ConfigError
+from pdserve.membership.uri import parse_discovery
+from pdserve.supervise.policy import RestartPolicy
+from pdserve.supervise.process import (
+    Child,
+    LaunchError,
+    spawn_child,
+    stop_children,
+    wait_child_ready,
+    worker_threads,
+)
+from pdserve.supervise.supervisor import ChildKind, ChildSpec, ChildState, Supervisor
 
-
-class LaunchError(PdserveError):
-    """A child process failed to start or to become healthy."""
+__all__ = [
+    "Child",
+    "Cluster",
+    "LaunchError",
+    "UpConfig",
+    "default_state_file",
+    "run_up",
+    "spawn_child",
+    "stop_children",
+    "wait_child_ready",
+    "worker_threads",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +73,7 @@ class UpConfig:
     mode: str = "disagg"
     model: str | None = None
     host: str = "127.0.0.1"
+    # The first router's port; router i listens on port + i (0: each picks a free port).
     port: int = 8000
     dtype: str = "float32"
     block_size: int = 16
@@ -50,10 +81,19 @@ class UpConfig:
     startup_timeout_s: float = 180.0
     # Extra `pdserve router` flags (e.g. ("--routing", "round_robin") for a benchmark).
     router_args: tuple[str, ...] = ()
-    # Extra `pdserve worker` flags, given to every worker (e.g. ("--max-num-seqs", "8")).
-    worker_args: tuple[str, ...] = ()
     # Where the running cluster is described for `pdserve status`.
     state_file: Path = field(default_factory=lambda: default_state_file())
+    num_routers: int = 1
+    # Extra `pdserve worker` flags, given to every worker (e.g. ("--max-num-seqs", "8")).
+    worker_args: tuple[str, ...] = ()
+    # Workers register in this etcd and routers watch it (None: static URLs, or `local_etcd`).
+    discovery: str | None = None
+    # Start (and supervise) an etcd on `etcd_host` for the membership.
+    local_etcd: bool = False
+    etcd_host: str = "127.0.0.1"
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+    # Seconds without a health answer before a child is killed and restarted (None: never).
+    liveness_timeout_s: float | None = 30.0
 
     def __post_init__(self) -> None:
         if self.mode not in ("disagg", "colocated", "auto"):
@@ -71,6 +111,18 @@ class UpConfig:
             raise ConfigError(
                 f"prefill: disagg mode needs >= 1 prefill worker, got {self.num_prefill}"
             )
+        if self.num_routers < 1:
+            raise ConfigError(f"routers: at least one router is needed, got {self.num_routers}")
+        if self.port and self.port + self.num_routers - 1 > 65535:
+            raise ConfigError(f"port: {self.num_routers} routers from port {self.port} pass 65535")
+        if self.discovery is not None:
+            parse_discovery(self.discovery)
+            if self.local_etcd:
+                raise ConfigError("etcd: give --etcd (a local etcd) or --discovery, not both")
+        if self.liveness_timeout_s is not None and self.liveness_timeout_s <= 0:
+            raise ConfigError(
+                f"liveness-timeout-s: must be > 0 (or off), got {self.liveness_timeout_s}"
+            )
 
 
 def default_state_file() -> Path:
@@ -79,146 +131,151 @@ def default_state_file() -> Path:
     return Path(base) / "up.json"
 
 
-@dataclass(slots=True)
-class Child:
-    """One started process and where it listens."""
-
-    name: str
-    proc: subprocess.Popen[bytes]
-    ready_file: Path
-    url: str | None = None
-
-
-def worker_threads(num_workers: int) -> int:
-    """Intra-op threads per worker so that `num_workers` engines on this host share its cores."""
-    return max(1, (os.cpu_count() or 1) // max(1, num_workers))
-
-
-def spawn_child(
-    name: str,
-    args: list[str],
-    workdir: Path,
-    threads: int | None = None,
-    secret: str | None = None,
-) -> Child:
-    """Start `python -m ARGS --ready-file F` in its own session, logging to WORKDIR/NAME.log.
-
-    `secret` is the cluster secret, handed over in the environment (`PDSERVE_CLUSTER_SECRET`),
-    never on the command line, where `ps` would show it.
-
-    `threads` sets the child's OMP_NUM_THREADS unless the caller's environment already does:
-    torch starts one intra-op thread per core in every process, and several engines on one
-    host then oversubscribe it (measured: 6 concurrent requests took 4.7 s instead of 0.2 s
-    with four workers on two cores).
-    """
-    ready = workdir / f"{name}.ready.json"
-    env = dict(os.environ)
-    if threads is not None:
-        env.setdefault("OMP_NUM_THREADS", str(threads))
-    if secret is not None:
-        env[ENV_VAR] = secret
-    log = open(workdir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the child's lifetime
-    proc = subprocess.Popen(
-        [sys.executable, "-m", *args, "--ready-file", str(ready)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-        # Own session: a terminal Ctrl-C reaches only `up`, which stops children in order.
-        start_new_session=True,
-    )
-    return Child(name, proc, ready)
+def worker_specs(config: UpConfig, discovery: str | None) -> list[ChildSpec]:
+    """The workers of `config`: prefill-i (role prefill), decode-i (role both)."""
+    c = config
+    names = [(f"prefill-{i}", "prefill") for i in range(c.num_prefill)]
+    names += [(f"decode-{i}", "both") for i in range(c.num_decode)]
+    threads = worker_threads(len(names))
+    specs = []
+    for name, role in names:
+        args = ["pdserve.worker.main", "--role", role, "--host", c.host, "--port", "0"]
+        args += ["--kv-port", "0", "--worker-id", name, "--dtype", c.dtype]
+        args += ["--block-size", str(c.block_size)]
+        args += ["--model", c.model] if c.model else []
+        args += ["--discovery", discovery] if discovery else []
+        specs.append(ChildSpec(name, ChildKind.WORKER, (*args, *c.worker_args), threads=threads))
+    return specs
 
 
-def wait_child_ready(child: Child, deadline: float) -> str:
-    """The child's URL once its ready file exists and /health answers 200 (before `deadline`)."""
-    while time.monotonic() < deadline:
-        if child.proc.poll() is not None:
-            raise LaunchError(
-                f"{child.name} (pid {child.proc.pid}) exited with {child.proc.returncode} "
-                f"before it was ready; see {child.ready_file.parent / (child.name + '.log')}"
-            )
-        if child.ready_file.exists():
-            url = str(json.loads(child.ready_file.read_text())["url"])
-            try:
-                with urlopen(f"{url}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return url
-            except OSError:
-                pass
-        time.sleep(0.1)
-    raise LaunchError(f"{child.name} (pid {child.proc.pid}) not healthy in time")
+def router_specs(
+    config: UpConfig, worker_urls: list[str], discovery: str | None
+) -> list[ChildSpec]:
+    """The routers of `config`, over the workers' URLs or the etcd membership."""
+    c = config
+    specs = []
+    for i in range(c.num_routers):
+        port = c.port + i if c.port else 0
+        args = ["pdserve.router.main", "--host", c.host, "--port", str(port), "--mode", c.mode]
+        if discovery:
+            args += ["--discovery", discovery]
+        else:
+            for url in worker_urls:
+                args += ["--worker", url]
+        args += ["--model", c.model] if c.model else []
+        args += ["--api-key", c.api_key] if c.api_key else []
+        name = "router" if c.num_routers == 1 else f"router-{i}"
+        specs.append(ChildSpec(name, ChildKind.ROUTER, (*args, *c.router_args)))
+    return specs
 
 
-def stop_children(children: list[Child], grace_s: float = 10.0) -> None:
-    """SIGTERM every child by PID, wait up to `grace_s`, SIGKILL the rest."""
-    for child in children:
-        if child.proc.poll() is None:
-            child.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for child in children:
-        try:
-            child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            child.proc.kill()
-            child.proc.wait()
+def _replace_flag(argv: tuple[str, ...], flag: str, value: str) -> tuple[str, ...]:
+    """`argv` with the value after `flag` replaced (the last occurrence wins in argparse)."""
+    out = list(argv)
+    for i in range(len(out) - 1):
+        if out[i] == flag:
+            out[i + 1] = value
+    return tuple(out)
+
+
+def pin_ports(spec: ChildSpec, url: str, health: dict[str, object]) -> ChildSpec:
+    """`spec` with the ports its first start got, so a restart comes back at the same address."""
+    if spec.kind is ChildKind.ETCD:
+        return spec
+    argv = _replace_flag(spec.argv, "--port", str(urlsplit(url).port))
+    transfer = health.get("transfer_address")
+    if spec.kind is ChildKind.WORKER and isinstance(transfer, str):
+        argv = _replace_flag(argv, "--kv-port", transfer.rpartition(":")[2])
+    return dataclasses.replace(spec, argv=argv)
 
 
 class Cluster:
-    """The processes of one `pdserve up`."""
+    """The supervised processes of one `pdserve up`."""
 
-    def __init__(self, config: UpConfig) -> None:
+    def __init__(
+        self,
+        config: UpConfig,
+        place_worker: Callable[[ChildSpec], ChildSpec] | None = None,
+        workdir: Path | None = None,
+        notify: Callable[[str], None] | None = None,
+    ) -> None:
         self.config = config
-        self.children: list[Child] = []
-        self.workdir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
-        self.router_url: str | None = None
+        self.workdir = workdir or Path(tempfile.mkdtemp(prefix="pdserve-up-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
         # One secret per cluster (the caller's PDSERVE_CLUSTER_SECRET if set), readable by this
-        # user only in the work folder, so `pdserve status` and friends can sign calls.
+        # user only in the work folder; children get it in their environment, never in argv.
         self.secret = os.environ.get(ENV_VAR) or new_secret_text()
-        write_secret_file(self.workdir / "cluster-secret", self.secret)
+        # The key that signs calls to this cluster's workers (soak, benchmarks).
+        self.http_key = write_secret_file(self.workdir / "cluster-secret", self.secret).key("http")
+        # Rewrites a worker's spec before it starts (the soak runs each in a namespace).
+        self._place_worker = place_worker or (lambda spec: spec)
+        self.supervisor = Supervisor(
+            self.workdir,
+            config.restart,
+            config.liveness_timeout_s,
+            pin=pin_ports,
+            notify=notify or (lambda message: print(f"pdserve up: {message}", file=sys.stderr)),
+            on_change=self._write_state,
+            env={ENV_VAR: self.secret},
+        )
+        self.discovery: str | None = config.discovery
+        self.router_urls: list[str] = []
+        self.worker_urls: list[str] = []
 
-    def _worker_args(self, role: str, name: str) -> list[str]:
-        c = self.config
-        args = ["pdserve.worker.main", "--role", role, "--host", c.host, "--port", "0"]
-        args += ["--worker-id", name, "--dtype", c.dtype, "--block-size", str(c.block_size)]
-        return args + (["--model", c.model] if c.model else []) + list(c.worker_args)
+    @property
+    def router_url(self) -> str | None:
+        """The first router's URL (None before start)."""
+        return self.router_urls[0] if self.router_urls else None
 
     def start(self) -> str:
-        """Start workers then the router; returns the router URL."""
+        """Start etcd (if asked), workers, then routers; returns the first router's URL."""
         c = self.config
         deadline = time.monotonic() + c.startup_timeout_s
-        names = [(f"prefill-{i}", "prefill") for i in range(c.num_prefill)]
-        names += [(f"decode-{i}", "both") for i in range(c.num_decode)]
-        threads = worker_threads(len(names))
-        workers = [
-            spawn_child(n, self._worker_args(role, n), self.workdir, threads, self.secret)
-            for n, role in names
-        ]
-        self.children.extend(workers)
-        for w in workers:
-            w.url = wait_child_ready(w, deadline)
-        args = ["pdserve.router.main", "--host", c.host, "--port", str(c.port), "--mode", c.mode]
-        for w in workers:
-            args += ["--worker", w.url or ""]
-        args += ["--model", c.model] if c.model else []
-        args += ["--api-key", c.api_key] if c.api_key else []
-        args += list(c.router_args)
-        router = spawn_child("router", args, self.workdir, secret=self.secret)
-        self.children.append(router)
-        self.router_url = router.url = wait_child_ready(router, deadline)
+        sup = self.supervisor
+        if c.local_etcd:
+            from pdserve.supervise.etcd import discovery_uri, etcd_spec
+
+            spec = etcd_spec(self.workdir, c.etcd_host)
+            sup.start(spec)
+            sup.wait_ready([spec.name], deadline)
+            self.discovery = discovery_uri(spec)
+        workers = [self._place_worker(s) for s in worker_specs(c, self.discovery)]
+        for spec in workers:
+            sup.start(spec)
+        sup.wait_ready([s.name for s in workers], deadline)
+        self.worker_urls = [sup.url(s.name) or "" for s in workers]
+        routers = router_specs(c, self.worker_urls, self.discovery)
+        for spec in routers:
+            sup.start(spec)
+        sup.wait_ready([s.name for s in routers], deadline)
+        self.router_urls = [sup.url(s.name) or "" for s in routers]
+        self._write_state()
+        return self.router_urls[0]
+
+    def _write_state(self) -> None:
+        if not self.router_urls:
+            return
         state = {
-            "router_url": self.router_url,
+            "router_url": self.router_urls[0],
+            "router_urls": self.router_urls,
             "pid": os.getpid(),
-            "children": [
-                {"name": ch.name, "pid": ch.proc.pid, "url": ch.url} for ch in self.children
-            ],
+            "children": [dataclasses.asdict(s) for s in self.supervisor.statuses()],
         }
-        c.state_file.parent.mkdir(parents=True, exist_ok=True)
-        c.state_file.write_text(json.dumps(state, indent=2))
-        return self.router_url
+        path = self.config.state_file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(state, indent=2))
+        os.replace(tmp, path)
 
     def stop(self) -> None:
-        """Stop the router first (no new requests), then the workers."""
-        stop_children(list(reversed(self.children)))
+        """Stop the routers first (no new requests), then the workers, then etcd."""
+        sup = self.supervisor
+        order = [
+            *sup.names(ChildKind.ROUTER),
+            *sup.names(ChildKind.WORKER),
+            *sup.names(ChildKind.ETCD),
+        ]
+        sup.stop(order)
         if self.config.state_file.exists():
             try:
                 if json.loads(self.config.state_file.read_text()).get("pid") == os.getpid():
@@ -227,7 +284,7 @@ class Cluster:
                 pass
 
     def wait(self) -> int:
-        """Block until a signal or a child exit; returns the exit status for `up`."""
+        """Supervise until a signal (0), or until no router is left to restart (1)."""
         stop = {"signal": 0}
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -235,15 +292,13 @@ class Cluster:
 
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
+        sup = self.supervisor
         while not stop["signal"]:
-            for child in self.children:
-                if child.proc.poll() is not None:
-                    print(
-                        f"pdserve up: {child.name} (pid {child.proc.pid}) exited with "
-                        f"{child.proc.returncode}; stopping",
-                        file=sys.stderr,
-                    )
-                    return 1
+            sup.step(time.monotonic())
+            routers = sup.names(ChildKind.ROUTER)
+            if all(sup.state(r) is ChildState.GIVEN_UP for r in routers):
+                print("pdserve up: no router left to restart; stopping", file=sys.stderr)
+                return 1
             time.sleep(0.2)
         return 0
 
@@ -273,9 +328,12 @@ def run_up(config: UpConfig) -> int:
         with urlopen(f"{url}/health", timeout=5) as resp:
             model = json.loads(resp.read()).get("model", "pdserve")
         auth = f' -H "Authorization: Bearer {config.api_key}"' if config.api_key else ""
+        routers = ", ".join(cluster.router_urls)
+        membership = f"etcd {cluster.discovery}" if cluster.discovery else "static"
         print(
-            f"pdserve is up at {url}  (mode {config.mode}, {config.num_prefill} prefill, "
-            f"{config.num_decode} decode; logs in {cluster.workdir})"
+            f"pdserve is up at {routers}  (mode {config.mode}, {config.num_prefill} prefill, "
+            f"{config.num_decode} decode, membership {membership}; processes restarted when"
+            f" they die; logs in {cluster.workdir})"
         )
         print(
             f"curl {url}/v1/completions -H 'Content-Type: application/json'{auth} "

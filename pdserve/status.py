@@ -2,7 +2,8 @@
 
 The router's /health gives the mode (configured and effective), the breaker and its view of
 each worker (healthy, in-flight calls); each worker's own /health adds role, pid, fingerprint,
-blocks, requests and leases. Workers are grouped by fingerprint digest: only workers of one
+blocks, requests and leases. When the cluster is a `pdserve up`, its state file adds every
+process it supervises (routers, workers, etcd) with its state and restarts. Workers are grouped by fingerprint digest: only workers of one
 group can exchange KV (DESIGN.md invariant 3), so a worker outside the router's compatible
 group is marked. A worker that does not answer is shown as down with the error, not skipped.
 Output is a table, or JSON with `--json`. Collecting does the I/O; grouping and rendering are
@@ -20,6 +21,7 @@ from urllib.request import urlopen
 
 from pdserve.errors import PdserveError
 from pdserve.launcher import default_state_file
+from pdserve.supervise.supervisor import ChildStatus
 from pdserve.worker.protocol import WorkerHealth
 
 
@@ -87,6 +89,33 @@ class ClusterStatus:
     problems: tuple[str, ...] = ()
     # "auto" while the router's automatic mode decides; else the mode (None: older router).
     mode_setting: str | None = None
+    # The processes `pdserve up` supervises (empty for a cluster it did not start).
+    processes: tuple[ChildStatus, ...] = ()
+
+
+def read_processes(router_url: str, state_file: Path | None = None) -> tuple[ChildStatus, ...]:
+    """The supervised processes of the `pdserve up` serving `router_url`, if it wrote them."""
+    path = state_file or default_state_file()
+    try:
+        state = json.loads(path.read_text())
+        if router_url.rstrip("/") not in [u.rstrip("/") for u in state.get("router_urls", [])]:
+            return ()
+        return tuple(
+            ChildStatus(
+                str(c["name"]),
+                str(c.get("kind", "")),
+                str(c.get("state", "")),
+                c.get("pid"),
+                c.get("url"),
+                int(c.get("num_restarts", 0)),
+                c.get("last_exit"),
+                c.get("reason"),
+                tuple(c.get("pids", ())),
+            )
+            for c in state.get("children", [])
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return ()
 
 
 def _get_json(url: str, timeout_s: float) -> dict[str, Any]:
@@ -267,4 +296,13 @@ def render_table(status: ClusterStatus) -> str:
     if any(w.assigned_role is not None for w in status.workers):
         lines.append("* role assigned by the router to a `both` worker (auto mode or /admin/mode)")
     lines += [f"problem: {p}" for p in status.problems]
+    if status.processes:
+        lines.append(
+            f"{'process':<12}{'kind':<8}{'state':<10}{'pid':>8}{'restarts':>9}  last exit / why"
+        )
+        for p in status.processes:
+            why = p.reason or p.last_exit or ""
+            lines.append(
+                f"{p.name:<12}{p.kind:<8}{p.state:<10}{_cell(p.pid):>8}{p.num_restarts:>9}  {why}"
+            )
     return "\n".join(lines)

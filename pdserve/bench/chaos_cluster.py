@@ -25,7 +25,13 @@ from pdserve.bench.chaos_scenarios import (
     REQUEST_TIMEOUT_S,
     WorkerSpec,
 )
-from pdserve.launcher import Child, spawn_child, stop_children, wait_child_ready, worker_threads
+from pdserve.supervise.process import (
+    Child,
+    spawn_child,
+    stop_children,
+    wait_child_ready,
+    worker_threads,
+)
 
 
 def http_json(
@@ -81,7 +87,7 @@ class ChaosCluster:
                 [*args, *spec.args],
                 self.workdir,
                 worker_threads(len(self.specs)),
-                self.secret,
+                env={ENV_VAR: self.secret},
             )
         for child in self.workers.values():
             child.url = wait_child_ready(child, deadline)
@@ -93,7 +99,7 @@ class ChaosCluster:
         for child in self.workers.values():
             args += ["--worker", child.url or ""]
         self.router = spawn_child(
-            "router", [*args, *self._router_args], self.workdir, secret=self.secret
+            "router", [*args, *self._router_args], self.workdir, env={ENV_VAR: self.secret}
         )
         self.router.url = wait_child_ready(self.router, deadline)
         self.model_name = str(http_json(f"{self.router.url}/health")["model"])

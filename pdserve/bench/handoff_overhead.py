@@ -88,9 +88,10 @@ class _Target:
 
 
 def _worker_url(cluster: Cluster, prefix: str) -> str:
-    for child in cluster.children:
-        if child.name.startswith(prefix) and child.url:
-            return child.url
+    for name in cluster.supervisor.names():
+        url = cluster.supervisor.url(name)
+        if name.startswith(prefix) and url:
+            return url
     raise HandoffBenchError(f"cluster has no started {prefix} worker")
 
 

@@ -14,7 +14,12 @@ routings take turns within each turn, so background load hits them alike:
 - `round_robin`: placement ignores caches and load (the baseline);
 - `affinity-transfer`: affinity with local prefill off: the suffix is prefilled on a prefill
   worker and only the blocks the decode worker lacks travel;
-- `affinity`: the default: the holder prefills a short suffix itself, nothing travels.
+- `affinity`: the default: the holder prefills a short suffix itself, nothing travels;
+- `affinity-2routers`: `affinity` on a cluster with two routers, each chat's turns
+  alternating between them (turn t of chat i goes to router (t + i) mod 2): no router sees two
+  turns of a chat in a row, so placement rests on the prefix index both build from the
+  workers' KV events. Its hit rate and TTFT ratio against round-robin are compared with the
+  one-router `affinity` (`two_router_*` in the summary: within 10 % is the target).
 
 Measured per turn: TTFT (send to the first streamed token, client side), tokens prefilled (sum
 of the workers' `pdserve_worker_prefill_tokens_total`), KV bytes received (sum of
@@ -48,7 +53,10 @@ ROUTINGS: dict[str, tuple[str, ...]] = {
     "round_robin": ("--routing", "round_robin"),
     "affinity-transfer": ("--routing", "affinity", "--local-prefill-threshold", "0"),
     "affinity": ("--routing", "affinity"),
+    "affinity-2routers": ("--routing", "affinity"),
 }
+# Routers per routing's cluster (1 when not named).
+NUM_ROUTERS = {"affinity-2routers": 2}
 _WORKER_PREFIX = "pdserve_worker_"
 
 
@@ -193,7 +201,7 @@ class _Chats:
     """One routing's cluster endpoints and its conversations so far."""
 
     routing: str
-    router: str
+    routers: list[str]
     model: str
     workers: list[str]
     prompts: list[list[int]]
@@ -216,7 +224,15 @@ async def _run_turn(
     before = _scrape(chats.workers)
     answers = await asyncio.gather(
         *(
-            _delayed_turn(delays[i], session, chats.router, chats.model, f"chat-{i}", prompt, n)
+            _delayed_turn(
+                delays[i],
+                session,
+                chats.routers[(turn + i) % len(chats.routers)],
+                chats.model,
+                f"chat-{i}",
+                prompt,
+                n,
+            )
             for i, prompt in enumerate(chats.prompts)
         )
     )
@@ -249,7 +265,7 @@ async def _run_turn(
 
 
 async def _run_all(
-    config: MultiTurnConfig, clusters: dict[str, tuple[str, str, list[str]]]
+    config: MultiTurnConfig, clusters: dict[str, tuple[list[str], str, list[str]]]
 ) -> list[RoutingResult]:
     """Every routing's chats, turn by turn, the routings interleaved within each turn.
 
@@ -266,7 +282,7 @@ async def _run_all(
     all_chats = [
         _Chats(
             routing,
-            router,
+            routers,
             model,
             workers,
             [list(p) for p in first],
@@ -275,7 +291,7 @@ async def _run_all(
             [config.first_tokens] * k,
             RoutingResult(routing),
         )
-        for routing, (router, model, workers) in clusters.items()
+        for routing, (routers, model, workers) in clusters.items()
     ]
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -293,7 +309,7 @@ def run_routings(config: MultiTurnConfig) -> list[RoutingResult]:
     workdir = Path(os.environ.get("TMPDIR", "/tmp"))
     started: list[Cluster] = []
     try:
-        endpoints: dict[str, tuple[str, str, list[str]]] = {}
+        endpoints: dict[str, tuple[list[str], str, list[str]]] = {}
         for routing in config.routings:
             up = UpConfig(
                 num_prefill=config.num_prefill,
@@ -301,6 +317,7 @@ def run_routings(config: MultiTurnConfig) -> list[RoutingResult]:
                 port=0,
                 block_size=config.block_size,
                 router_args=ROUTINGS[routing],
+                num_routers=NUM_ROUTERS.get(routing, 1),
                 state_file=workdir / f"pdserve-bench-multiturn-{os.getpid()}-{routing}.json",
             )
             cluster = Cluster(up)
@@ -308,8 +325,8 @@ def run_routings(config: MultiTurnConfig) -> list[RoutingResult]:
             router = cluster.start()
             with urllib.request.urlopen(f"{router}/v1/models", timeout=10) as resp:
                 model = str(json.loads(resp.read())["data"][0]["id"])
-            workers = [ch.url for ch in cluster.children if ch.name != "router" and ch.url]
-            endpoints[routing] = (router, model, workers)
+            workers = list(cluster.worker_urls)
+            endpoints[routing] = (list(cluster.router_urls), model, workers)
         return asyncio.run(_run_all(config, endpoints))
     finally:
         for cluster in started:
@@ -329,6 +346,25 @@ def render_table(results: list[RoutingResult]) -> str:
                 f" {t.num_reusable_tokens:>9} {t.kv_bytes:>10} {t.num_new_tokens:>7} {per:>9.0f}"
             )
     return "\n".join(lines)
+
+
+def two_router_comparison(results: list[RoutingResult]) -> dict[str, float]:
+    """`affinity-2routers` against one-router `affinity`: the ratios of their prefix hit rates
+    and of their TTFT gains over round-robin (1.0: the same; the target is within 10 %)."""
+    by_name = {r.routing: r for r in results}
+    one, two = by_name.get("affinity"), by_name.get("affinity-2routers")
+    base = by_name.get("round_robin")
+    if one is None or two is None or base is None or not one.hit_rate:
+        return {}
+    gain_one = base.ttft_ms_from(4) / one.ttft_ms_from(4)
+    gain_two = base.ttft_ms_from(4) / two.ttft_ms_from(4)
+    hit = two.hit_rate / one.hit_rate
+    ttft = gain_two / gain_one
+    return {
+        "two_router_hit_rate_ratio": hit,
+        "two_router_ttft_gain_ratio": ttft,
+        "two_router_within_10pct": float(abs(hit - 1) <= 0.1 and abs(ttft - 1) <= 0.1),
+    }
 
 
 def run_multiturn_bench(args: argparse.Namespace) -> int:
@@ -365,6 +401,14 @@ def run_multiturn_bench(args: argparse.Namespace) -> int:
             ratio = base.ttft_ms_from(4) / r.ttft_ms_from(4)
             summary[f"ttft_ratio_round_robin_over_{r.routing}"] = ratio
             print(f"TTFT turns>=4: round_robin / {r.routing} = {ratio:.2f}x")
+    two = two_router_comparison(results)
+    if two:
+        summary |= two
+        print(
+            f"two routers vs one: hit rate x{two['two_router_hit_rate_ratio']:.3f}, TTFT gain"
+            f" over round_robin x{two['two_router_ttft_gain_ratio']:.3f}"
+            f" ({'within' if two['two_router_within_10pct'] else 'NOT within'} 10 %)"
+        )
     if args.json is not None:
         payload = {
             "config": asdict(config),

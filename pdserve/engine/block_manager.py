@@ -15,6 +15,11 @@ Invariants (checked by `check_invariants`, which the tests call after every oper
 Prefix hashes are chained: hash(block i) = xxh3_64(hash(block i-1) || token ids of block i), so
 equal hashes mean equal whole prefixes, not just equal blocks. The hash is deterministic across
 processes, so a router can compute the same keys.
+
+With a `KVEventLog`, every change of `cached` is also published: `stored` when hashes are
+registered, `evicted` when `allocate_slots` reuses cached blocks (one event per call, in
+eviction order), `cleared` on `reset_prefix_cache`. Applying them in order rebuilds `cached`'s
+keys exactly (tests check it after random operations).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from collections.abc import Sequence
 
 import xxhash
 
+from pdserve.engine.kv_events import KVEventKind, KVEventLog
 from pdserve.errors import EngineError
 
 _ROOT_HASH = 0
@@ -50,7 +56,13 @@ def prefix_block_hashes(token_ids: list[int], block_size: int) -> list[int]:
 class BlockManager:
     """Allocates KV blocks to requests, shares cached prefix blocks, evicts in LRU order."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        events: KVEventLog | None = None,
+    ):
         if num_blocks < 1 or block_size < 1:
             raise EngineError(f"BlockManager: num_blocks={num_blocks} block_size={block_size}")
         self.num_blocks = num_blocks
@@ -66,6 +78,10 @@ class BlockManager:
         self._req_hashes: dict[str, list[int]] = {}
         self.num_cache_queries_tokens = 0
         self.num_cache_hit_tokens = 0
+        # Where changes of `cached` are published (None: nowhere).
+        self.events = events
+        # Hashes evicted by the allocation in progress, published once it is done.
+        self._evicted: list[int] = []
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -124,6 +140,7 @@ class BlockManager:
         hashes = self._req_hashes.setdefault(request_id, [])
         num_full = min(num_computed_tokens // self.block_size, len(blocks))
         parent = hashes[-1] if hashes else _ROOT_HASH
+        stored: list[int] = []
         for i in range(len(hashes), num_full):
             start = i * self.block_size
             parent = hash_block_tokens(parent, token_ids[start : start + self.block_size])
@@ -132,6 +149,9 @@ class BlockManager:
             if parent not in self.cached and self._block_hash[block_id] is None:
                 self.cached[parent] = block_id
                 self._block_hash[block_id] = parent
+                stored.append(parent)
+        if self.events is not None:
+            self.events.append(KVEventKind.STORED, stored)
 
     # ---- allocation ----------------------------------------------------------------------
 
@@ -162,6 +182,10 @@ class BlockManager:
         for block_id in computed_blocks:
             self._touch(block_id)
         new_blocks = [self._pop_free() for _ in range(num_new)]
+        if self._evicted:
+            evicted, self._evicted = self._evicted, []
+            if self.events is not None:
+                self.events.append(KVEventKind.EVICTED, evicted)
         self._req_blocks[request_id] = blocks + list(computed_blocks) + new_blocks
         if computed_blocks:
             self._req_hashes[request_id] = [
@@ -191,6 +215,8 @@ class BlockManager:
             self._block_hash[block_id] = None
         self.cached.clear()
         self._req_hashes.clear()
+        if self.events is not None:
+            self.events.append(KVEventKind.CLEARED)
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -205,6 +231,7 @@ class BlockManager:
         if evicted is not None:
             del self.cached[evicted]
             self._block_hash[block_id] = None
+            self._evicted.append(evicted)
         self._ref_count[block_id] = 1
         return block_id
 

@@ -9,7 +9,9 @@ Hooks for disaggregation, used by the worker and transfer layers (never by the s
 - `add_remote_request`: allocate blocks for a prompt whose KV will arrive from elsewhere; the
   request is not scheduled until `mark_remote_kv_ready`;
 - `kv_block_views`: the request's blocks as writable byte views of KV memory, one per block
-  (no copy).
+  (no copy);
+- `kv_events` (optional): the prefix cache's stored/evicted hashes, published for routers
+  (`engine/kv_events.py`); `cached_block_hashes` is the snapshot a subscriber starts from.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.grammar import GrammarCompiler
 from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestStatus
@@ -87,7 +90,11 @@ class Engine:
     """Continuous-batching inference over a paged KV cache."""
 
     def __init__(
-        self, model: LoadedModel, config: EngineConfig, clock: Clock | None = None
+        self,
+        model: LoadedModel,
+        config: EngineConfig,
+        clock: Clock | None = None,
+        kv_events: KVEventLog | None = None,
     ) -> None:
         if model.fingerprint.kv_block_size != config.block_size:
             raise ConfigError(
@@ -109,7 +116,7 @@ class Engine:
             num_blocks, mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, model.dtype
         )
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching
+            num_blocks, config.block_size, config.enable_prefix_caching, kv_events
         )
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(model.module, self.kv_cache, config.batch_invariant)
@@ -128,13 +135,15 @@ class Engine:
         self.step_totals = StepTotals()
 
     @classmethod
-    def from_config(cls, config: EngineConfig, clock: Clock | None = None) -> Engine:
+    def from_config(
+        cls, config: EngineConfig, clock: Clock | None = None, kv_events: KVEventLog | None = None
+    ) -> Engine:
         """Load the configured model (the embedded default when no path) and build an engine."""
         m = config.model
         model = load_model(
             m.path, dtype=m.dtype, quantization=m.quantization, kv_block_size=config.block_size
         )
-        return cls(model, config, clock)
+        return cls(model, config, clock, kv_events)
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -223,6 +232,10 @@ class Engine:
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table."""
         return list(self.block_manager.block_ids(request_id))
+
+    def cached_block_hashes(self) -> list[int]:
+        """Every chained hash the prefix cache holds now (a KV-event subscriber's snapshot)."""
+        return list(self.block_manager.cached)
 
     def mark_remote_kv_ready(self, request_id: str, first_token_id: int) -> None:
         """The remote KV was verified (checksums, commit, fingerprint): schedule the request.

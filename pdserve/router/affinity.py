@@ -13,8 +13,11 @@ the right role, not excluded) and only changes their order:
   load order of `policy.py` (fewer requests, more free blocks, list order); but a worker
   without free blocks for prompt + max_tokens (it would refuse the reservation) goes after
   every worker with room. A **session** (the OpenAI `user` field or an `x-session-id` header)
-  remembers the decode worker that served its last turn; that worker goes first whenever it is
-  still a candidate (alive, compatible, not excluded) and has room. Otherwise the cost order
+  goes first to its holder: the candidate with room that holds the longest prefix of the
+  prompt (its earlier turns) in the prefix index, the decode worker that served the session's
+  last turn on this router breaking ties or standing alone when no worker holds any prefix.
+  The index is fed by the workers' KV events, the same on every router, so a session keeps
+  its worker when its turns go through another router. Without a holder the cost order
   stands, and the session moves to whichever worker serves the turn.
 - **load**: exactly `policy.rank_decode` / `policy.pick_prefill` (prefix and session ignored).
 - **round_robin**: candidates in list order rotated by the request's ticket (a benchmark
@@ -215,14 +218,26 @@ class AffinityPolicy:
         return (s.cost, -s.num_matched_blocks, busy, neg_free, index)
 
     def _sticky(self, ranked: Sequence[WorkerView], query: RouteQuery) -> WorkerView | None:
-        """The session's holder if it is a candidate with room for the request."""
+        """The session's holder, if it is a candidate with room for the request.
+
+        The holder is the candidate holding the longest prefix of the prompt (the session's
+        earlier turns), by the prefix index, the session's recorded worker breaking ties; with
+        no prefix anywhere, the recorded worker. Fed by KV events, the index is the same on
+        every router, so a session keeps its worker when its turns change routers.
+        """
         if query.session_id is None:
             return None
-        holder = self._sessions.get(query.session_id)
+        recorded = self._sessions.get(query.session_id)
+        best: WorkerView | None = None
+        best_key = (0, False)
         for w in ranked:
-            if (w.url, _incarnation(w)) == holder:
-                return w if _has_room(w, query) else None
-        return None
+            if not _has_room(w, query):
+                continue
+            is_recorded = (w.url, _incarnation(w)) == recorded
+            key = (self.index.match(w.url, query.block_hashes(_size(w))), is_recorded)
+            if key > best_key:
+                best, best_key = w, key
+        return best
 
     # ---- learning -----------------------------------------------------------------------------
 
@@ -263,6 +278,11 @@ def _has_room(w: WorkerView, query: RouteQuery) -> bool:
     assert w.health is not None
     need = -(-(len(query.prompt_token_ids) + query.max_tokens) // w.health.block_size)
     return w.health.num_free_blocks >= need
+
+
+def _size(w: WorkerView) -> int:
+    assert w.health is not None
+    return w.health.block_size
 
 
 def _role(w: WorkerView) -> str | None:

@@ -2,7 +2,9 @@
 
 Routes: the OpenAI ones (`openai_api`), `GET /health` (router and workers summary, mode,
 automatic mode and live figures), `GET /metrics` (Prometheus), `POST /admin/mode` and
-`GET /admin/auto` (`mode_control`), `GET /debug/requests/{id}` (a recent request's timeline).
+`GET /admin/auto` (`mode_control`), `GET /debug/requests/{id}` (a recent request's timeline),
+`GET /debug/kv_index` (the prefix index per worker, fed by the workers' KV events through
+`kv_feed`).
 
 Life cycle: `create_app` must run inside the event loop (it opens the one shared
 `aiohttp.ClientSession`); startup polls every worker once, then keeps polling; cleanup stops
@@ -13,7 +15,9 @@ so one bad request never takes the router down.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
+import json
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -48,6 +52,8 @@ from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.disagg import DisaggFlow, Handoff
 from pdserve.router.dispatcher import Dispatcher
 from pdserve.router.flow import Flow
+from pdserve.router.health_watch import HealthWatch
+from pdserve.router.kv_feed import KVEventFeed
 from pdserve.router.live_monitor import LiveMonitor
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.mode_control import AutoView, ModeControl
@@ -146,6 +152,8 @@ class _Routes:
         metrics: RouterMetrics,
         modes: ModeControl,
         client: WorkerClient | None = None,
+        affinity: AffinityPolicy | None = None,
+        feed: KVEventFeed | None = None,
     ) -> None:
         self._config = config
         self._pool = pool
@@ -154,6 +162,8 @@ class _Routes:
         self._modes = modes
         # Asks workers for their timeline events (None: the router's transitions only).
         self._client = client
+        self._affinity = affinity
+        self._feed = feed
 
     async def ready(self, request: web.Request) -> web.Response:
         """GET /ready: 200 when a request of the effective mode has a worker to run on, else
@@ -236,6 +246,19 @@ class _Routes:
             body=self._metrics.render().encode(),
             headers={"Content-Type": metrics_mod.CONTENT_TYPE},
         )
+
+    async def kv_index(self, request: web.Request) -> web.Response:
+        """GET /debug/kv_index: the prefix index per member worker (fed by KV events or
+        inferred), with a digest of its hashes, so routers can be compared."""
+        index = self._affinity.index if self._affinity is not None else None
+        workers = [dataclasses.asdict(index.view(url)) for url in self._pool.urls] if index else []
+        feed = self._feed
+        body = {
+            "workers": workers,
+            "num_connects": feed.num_connects if feed else 0,
+            "num_resyncs": feed.num_resyncs if feed else 0,
+        }
+        return web.json_response(text=json.dumps(body))
 
     async def timeline(self, request: web.Request) -> web.Response:
         timeline = self._dispatcher.timeline(request.match_info["request_id"])
@@ -383,18 +406,26 @@ async def create_app(config: RouterConfig) -> web.Application:
         metrics.kv_handoffs[outcome.value] += 1
         dispatcher.record_kv_outcome(outcome is Handoff.OK, reason)
 
+    # Every router following the same workers' KV events holds the same prefix index.
+    feed = KVEventFeed(lambda: pool.urls, client, affinity.index)
+    watch = (
+        HealthWatch(pool, client, config.health_deadline_s) if config.health_deadline_s else None
+    )
     app = web.Application(middlewares=[_middleware(config, dispatcher, metrics)])
     api = OpenAIApi(config, tokenizer, max_model_len, dispatcher, metrics)
     metrics.handoff_spikes = api.spikes.counts
     api.add_routes(app)
     TokenizeApi(tokenizer, max_model_len, config.accepted_model_names).add_routes(app)
-    routes = _Routes(config, pool, dispatcher, metrics, modes, client=client)
+    routes = _Routes(
+        config, pool, dispatcher, metrics, modes, client=client, affinity=affinity, feed=feed
+    )
     app.router.add_get("/health", routes.health)
     app.router.add_get("/ready", routes.ready)
     app.router.add_get("/metrics", routes.metrics)
     app.router.add_post("/admin/mode", modes.set_mode)
     app.router.add_get("/admin/auto", modes.get_auto)
     app.router.add_get("/debug/requests/{request_id}", routes.timeline)
+    app.router.add_get("/debug/kv_index", routes.kv_index)
 
     async def on_startup(_: web.Application) -> None:
         await pool.start()
@@ -407,9 +438,15 @@ async def create_app(config: RouterConfig) -> web.Application:
                 + " (start the router with the workers' --model, or fix the workers)"
             )
         controller.start()
+        await feed.start()
+        if watch is not None:
+            await watch.start()
 
     async def on_cleanup(_: web.Application) -> None:
         await controller.stop()
+        if watch is not None:
+            await watch.stop()
+        await feed.stop()
         await pool.stop()
         await session.close()
 

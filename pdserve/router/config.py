@@ -176,6 +176,9 @@ class RouterConfig:
     # Whole request, from received to the last token.
     request_timeout_s: float = 600.0
     health_poll_interval_s: float = 1.0
+    # A worker whose health polls have failed this long has its open streams and calls cut, so
+    # they fail over now (a paused or hung worker never closes them). 0: never.
+    health_deadline_s: float = 3.0
     # Recent requests whose timelines GET /debug/requests/{id} keeps (oldest evicted first).
     timeline_ring: int = 1000
     # How long a decode reservation (and the prefill KV) waits for its transfer.
@@ -223,6 +226,8 @@ class RouterConfig:
             raise ConfigError(f"request-timeout-s: must be > 0, got {self.request_timeout_s}")
         if self.timeline_ring < 1:
             raise ConfigError(f"timeline-ring: must be >= 1, got {self.timeline_ring}")
+        if self.health_deadline_s < 0:
+            raise ConfigError(f"health-deadline-s: must be >= 0, got {self.health_deadline_s}")
         if self.health_poll_interval_s <= 0 or self.lease_ttl_s <= 0:
             raise ConfigError("health_poll_interval_s and lease_ttl_s must be > 0")
         if self.cluster_secret is None and not self.insecure_no_auth:

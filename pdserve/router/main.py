@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None)
     p.add_argument("--ready-file", type=Path, default=None)
     p.add_argument(
+        "--health-deadline-s",
+        type=float,
+        default=3.0,
+        help="cut a worker's open streams once its health polls failed this long (0: never)",
+    )
+    p.add_argument(
         "--timeline-ring",
         type=int,
         default=1000,
@@ -121,6 +127,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
         max_model_len=args.max_model_len,
         chat_template=args.chat_template,
         allow_unknown_fields=args.allow_unknown_fields,
+        health_deadline_s=args.health_deadline_s,
         breaker=BreakerConfig(
             enabled=not args.no_breaker,
             window=args.breaker_window,

@@ -26,7 +26,11 @@ from pdserve.errors import RouterError, WorkerCallError, WorkerUnreachable
 from pdserve.worker.protocol import (
     DecodeRequest,
     ErrorBody,
+    FaultPlanBody,
+    FaultState,
     GenerateRequest,
+    KVEventBatch,
+    KVEventsRequest,
     PrefillRequest,
     PrefillResult,
     ReleaseRequest,
@@ -120,6 +124,14 @@ class WorkerClient:
         path = f"/debug/requests/{request_id}"
         return await self._get(url, path, WorkerEvents, self._timeouts.health_s)
 
+    async def faults(self, url: str) -> FaultState:
+        """GET /admin/faults (tests and chaos runs: workers started with --enable-fault-admin)."""
+        return await self._get(url, "/admin/faults", FaultState, self._timeouts.health_s)
+
+    async def set_faults(self, url: str, plan: FaultPlanBody) -> FaultState:
+        """POST /admin/faults: replace the worker's fault plan (no rules: clear it)."""
+        return await self._post(url, "/admin/faults", plan, FaultState, self._timeouts.control_s)
+
     async def reserve(
         self, url: str, request: ReserveRequest, remaining_s: float | None = None
     ) -> Reservation:
@@ -157,11 +169,15 @@ class WorkerClient:
 
     def decode(self, url: str, request: DecodeRequest) -> AsyncGenerator[TokenEvent, None]:
         """POST /decode: the token stream from the second token on."""
-        return self._stream(url, "/decode", request)
+        return self._stream(url, "/decode", request, TokenEvent)
 
     def generate(self, url: str, request: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
         """POST /generate: the whole request's token stream (colocated)."""
-        return self._stream(url, "/generate", request)
+        return self._stream(url, "/generate", request, TokenEvent)
+
+    def kv_events(self, url: str, request: KVEventsRequest) -> AsyncGenerator[KVEventBatch, None]:
+        """POST /kv_events: the worker's prefix-cache events (a snapshot, then each change)."""
+        return self._stream(url, "/kv_events", request, KVEventBatch)
 
     async def _get(self, url: str, path: str, model: type[_M], timeout_s: float) -> _M:
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self._timeouts.connect_s)
@@ -193,8 +209,8 @@ class WorkerClient:
             raise WorkerUnreachable(url, f"POST {path}: {exc!r}") from exc
 
     async def _stream(
-        self, url: str, path: str, body: BaseModel
-    ) -> AsyncGenerator[TokenEvent, None]:
+        self, url: str, path: str, body: BaseModel, model: type[_M]
+    ) -> AsyncGenerator[_M, None]:
         timeout = aiohttp.ClientTimeout(
             total=None,
             sock_connect=self._timeouts.connect_s,
@@ -213,7 +229,7 @@ class WorkerClient:
                 open_streams.add(resp)
                 try:
                     async for line in _lines(resp):
-                        yield _validate(url, TokenEvent, line)
+                        yield _validate(url, model, line)
                 finally:
                     open_streams.discard(resp)
                     if not open_streams and self._streams.get(url) is open_streams:

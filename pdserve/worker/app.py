@@ -55,6 +55,7 @@ from pdserve.worker.auth_middleware import auth_middleware
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.engine_loop import EngineInfo, EngineLoop
 from pdserve.worker.http_errors import Handler, error_middleware
+from pdserve.worker.kv_events import KVEventStreams
 from pdserve.worker.kv_inbox import KVInbox, Received
 from pdserve.worker.kv_outbox import Destination, KVOutbox, parse_destination
 from pdserve.worker.lease_keeper import LeaseKeeper
@@ -141,6 +142,7 @@ class WorkerAPI:
         events: EventRing | None = None,
         verifier: CallVerifier | None = None,
         local_transports: tuple[Transport, ...] = ("tcp",),
+        kv_streams: KVEventStreams | None = None,
     ) -> None:
         self.config = config
         self.worker_id = config.worker_id
@@ -163,6 +165,8 @@ class WorkerAPI:
         self.num_admitted = 0
         self.streams = TokenStreamer(engine, self.events, faults)
         self.observe = ObserveRoutes(self)
+        # POST /kv_events (None: not served, e.g. an API built without an engine's log).
+        self.kv_streams = kv_streams
 
     def app(self) -> web.Application:
         """The application with every route of the protocol (+ /admin/faults if enabled)."""
@@ -185,6 +189,8 @@ class WorkerAPI:
                 web.get("/debug/requests/{request_id}", observe.debug_request),
             ]
         )
+        if self.kv_streams is not None:
+            app.add_routes([web.post("/kv_events", self.kv_streams.handle)])
         if self.config.enable_fault_admin:
             app.add_routes(
                 [

@@ -13,6 +13,7 @@ Endpoints (role in brackets):
     POST /release   ReleaseRequest  -> ReleaseResult                   [all]
     POST /kv_abort  KVAbortRequest  -> KVAbortResult                   [decode, both]
     POST /renew     RenewRequest    -> RenewResult                     [decode, both]
+    POST /kv_events KVEventsRequest -> stream of KVEventBatch          [all]
     GET  /metrics                   Prometheus text                    [all]
     GET  /debug/requests/{id}       WorkerEvents                       [all]
 Errors are `ErrorBody` with an HTTP status: 400 bad input, 401 no cluster credential, 403 a
@@ -412,6 +413,34 @@ class WorkerEvents(_Model):
     monotonic_ns: int
     wall_time_s: float
     events: list[WorkerEventModel]
+
+
+class KVEventsRequest(_Model):
+    """POST /kv_events: follow this worker's prefix cache (blocks stored and evicted)."""
+
+    # Resume after this event of this epoch. None, another epoch (the worker restarted) or an
+    # event the worker no longer has (a gap): the stream starts with a snapshot instead.
+    after_seq: int | None = Field(default=None, ge=0)
+    epoch: str | None = None
+
+
+KVEventBatchKind = Literal["snapshot", "stored", "evicted", "cleared", "heartbeat"]
+
+
+class KVEventBatch(_Model):
+    """One line of a KV event stream (see `engine.kv_events`).
+
+    `snapshot`: every hash cached now, as of event `seq` (replace what you had); `stored`,
+    `evicted`, `cleared`: event number `seq`, to apply only right after `seq - 1`;
+    `heartbeat`: nothing happened, the newest event is still `seq` (sent after a second of
+    silence, so a silent stream means a silent worker).
+    """
+
+    epoch: str
+    seq: int
+    kind: KVEventBatchKind
+    # Chained block hashes (unsigned 64-bit).
+    block_hashes: list[int] = Field(default_factory=list)
 
 
 class ErrorBody(_Model):

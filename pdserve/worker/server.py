@@ -24,6 +24,7 @@ from aiohttp import web
 
 from pdserve.auth.signing import CallVerifier
 from pdserve.engine.engine import Engine
+from pdserve.engine.kv_events import KVEventLog
 from pdserve.faults import FaultInjector, parse_rules
 from pdserve.membership import Member, Registration, open_registration
 from pdserve.observability.timeline_log import EventRing
@@ -34,6 +35,7 @@ from pdserve.worker.app import WorkerAPI
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.give_up_notice import http_give_up_notice
+from pdserve.worker.kv_events import KVEventStreams
 from pdserve.worker.kv_inbox import KVInbox
 from pdserve.worker.kv_outbox import KVOutbox
 from pdserve.worker.lease_keeper import LeaseKeeper
@@ -57,7 +59,12 @@ class Worker:
         self.config = config
         self.url: str | None = None
         engine_config = config.engine
-        self.engine = EngineLoop(lambda: Engine.from_config(engine_config), name="engine")
+        # The prefix cache's stored/evicted hashes, streamed to routers (POST /kv_events).
+        self.kv_events = KVEventLog()
+        self.engine = EngineLoop(
+            lambda: Engine.from_config(engine_config, kv_events=self.kv_events), name="engine"
+        )
+        self.kv_streams = KVEventStreams(self.kv_events, self.engine)
         self.leases = LeaseKeeper(config.reap_interval_s)
         self.inbox: KVInbox | None = None
         self.outbox: KVOutbox | None = None
@@ -77,6 +84,7 @@ class Worker:
         transports = kv_transports.local_transports(c.kv_transport)
         kv_transports.prewarm(transports)  # in a thread, while the engine loads
         info = await self.engine.start()
+        self.kv_streams.bind(asyncio.get_running_loop())
         self.leases.start()
         stats = TransportStats()
         if c.serves_decode:
@@ -125,6 +133,7 @@ class Worker:
             events=self.events,
             verifier=None if http_key is None else CallVerifier(http_key, time.time),
             local_transports=transports,
+            kv_streams=self.kv_streams,
         )
         # handler_cancellation: a client that disconnects cancels its handler, whose cleanup
         # aborts the request in the engine.
@@ -171,6 +180,8 @@ class Worker:
             # Leave the routers' pools before refusing their calls.
             await self.registration.stop()
             self.registration = None
+        # Long-lived event streams end now instead of holding up the HTTP shutdown.
+        self.kv_streams.close()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

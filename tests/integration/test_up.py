@@ -1,10 +1,13 @@
 """`pdserve up` as a user runs it: one command starts router and workers, a completion works
-end to end, `pdserve status` shows the cluster, and SIGTERM leaves no process and no port."""
+end to end, `pdserve status` shows the cluster, and SIGTERM leaves no process and no port; with
+two routers (static or etcd membership), a killed worker and a killed router come back at their
+addresses, rejoin, serve the same text, and `pdserve status` shows their restarts."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -136,3 +139,92 @@ def test_up_serves_status_and_stops_cleanly(cluster, tiny_model_path: Path) -> N
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", int(url.rsplit(":", 1)[1])))  # the port is free again
     assert not state_file.exists()
+
+
+def _children(state_file: Path) -> dict[str, dict[str, object]]:
+    return {c["name"]: c for c in json.loads(state_file.read_text())["children"]}
+
+
+def _wait(what: str, done: object, timeout_s: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("membership", ["etcd", "static"])
+def test_up_restarts_what_dies_and_status_shows_it(
+    tiny_model_path: Path, tmp_path: Path, membership: str
+) -> None:
+    if membership == "etcd" and shutil.which("etcd") is None:
+        pytest.skip("etcd is not on PATH (etcd-server)")
+    port = free_port()
+    env = {**os.environ, "PDSERVE_CACHE": str(tmp_path)}
+    state_file = tmp_path / "up.json"
+    args = [sys.executable, "-m", "pdserve", "up", "--prefill", "1", "--decode", "2"]
+    args += ["--routers", "2", "--port", str(port), "--model", str(tiny_model_path)]
+    args += ["--etcd"] if membership == "etcd" else []
+    errors = tmp_path / "up.stderr"
+    with errors.open("w") as err:
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+    seen: set[int] = set()
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        assert "pdserve is up at" in line, errors.read_text()
+        routers = [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
+        assert all(r in line for r in routers)
+        assert ("membership etcd etcd://" in line) == (membership == "etcd")
+        before = _children(state_file)
+        names = ["decode-0", "decode-1", "prefill-0", "router-0", "router-1"]
+        assert sorted(before) == sorted([*names, "etcd"] if membership == "etcd" else names)
+        seen |= {int(c["pid"]) for c in before.values()}  # type: ignore[call-overload]
+        body = {"model": tiny_model_path.name, "prompt": "The quick brown fox", "max_tokens": 8}
+        body["temperature"] = 0
+        reference = post(f"{routers[0]}/v1/completions", body)["choices"][0]["text"]  # type: ignore[index]
+
+        # A worker and a router die; both come back at their addresses and serve again.
+        for name in ("decode-0", "router-1"):
+            os.kill(int(before[name]["pid"]), signal.SIGKILL)  # type: ignore[call-overload]
+        _wait(
+            "both restarted",
+            lambda: all(
+                _children(state_file)[n]["state"] == "running"
+                and _children(state_file)[n]["num_restarts"] == 1
+                for n in ("decode-0", "router-1")
+            ),
+        )
+        after = _children(state_file)
+        seen |= {int(c["pid"]) for c in after.values() if c["pid"]}  # type: ignore[call-overload]
+        assert after["decode-0"]["url"] == before["decode-0"]["url"]
+        assert after["decode-0"]["last_exit"] == "killed by signal 9"
+
+        def rejoined() -> bool:
+            workers = json.loads(urllib.request.urlopen(f"{routers[1]}/health", timeout=5).read())
+            return all(w["healthy"] for w in workers["workers"]) and len(workers["workers"]) == 3
+
+        _wait("decode-0 back in router-1's pool", rejoined)
+        for router in routers:
+            assert post(f"{router}/v1/completions", body)["choices"][0]["text"] == reference  # type: ignore[index]
+
+        status = subprocess.run(
+            [sys.executable, "-m", "pdserve", "status", "--url", routers[1]],
+            capture_output=True, text=True, env=env, timeout=30, check=False,
+        )  # fmt: skip
+        assert status.returncode == 0, status.stderr
+        rows = {ln.split()[0]: ln.split() for ln in status.stdout.splitlines() if ln.strip()}
+        assert rows["decode-0"][1:3] == ["worker", "running"] and rows["decode-0"][4] == "1"
+        assert rows["router-1"][4] == "1" and rows["prefill-0"][4] == "0"
+        assert "killed by signal 9" in status.stdout
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert not any(pid_alive(p) for p in seen)
+        # What `up` told the operator about the deaths.
+        assert "decode-0 (pid" in errors.read_text() and "restarted (pid" in errors.read_text()
+    finally:
+        if proc.poll() is None:  # `up` stops its children by PID on SIGTERM
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

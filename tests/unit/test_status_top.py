@@ -136,3 +136,37 @@ def test_status_marks_roles_the_router_assigned_and_auto_mode() -> None:
     assert "mode auto (disagg now)" in lines[0]
     assert lines[2].split()[:2] == ["w-1", "prefill*"] and lines[3].split()[:2] == ["w-2", "both"]
     assert lines[-1].startswith("* role assigned by the router")
+
+
+def test_status_shows_the_processes_of_its_pdserve_up_with_their_restarts(
+    tmp_path: pytest.TempPathFactory,
+) -> None:
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from pdserve.status import read_processes
+
+    state = Path(str(tmp_path)) / "up.json"
+    children = [
+        {"name": "router-0", "kind": "router", "state": "running", "pid": 10, "url": "http://r",
+         "num_restarts": 0, "last_exit": None, "reason": None, "pids": [10]},
+        {"name": "decode-1", "kind": "worker", "state": "given_up", "pid": None, "url": "http://d",
+         "num_restarts": 5, "last_exit": "exit code 1",
+         "reason": "exited 6 times within 60 s (last: exit code 1): a crash loop, not restarted",
+         "pids": [11, 12]},
+    ]  # fmt: skip
+    state.write_text(json.dumps({"router_urls": ["http://r/"], "children": children}))
+    assert read_processes("http://other", state) == ()
+    processes = read_processes("http://r", state)
+    assert [(p.name, p.num_restarts, p.pids) for p in processes] == [
+        ("router-0", 0, (10,)),
+        ("decode-1", 5, (11, 12)),
+    ]
+    status = dataclasses.replace(
+        ClusterStatus("http://r", 7, "ok", "disagg", "tiny", _rows()), processes=processes
+    )
+    lines = render_table(status).splitlines()
+    assert lines[-2].split()[:5] == ["router-0", "router", "running", "10", "0"]
+    assert lines[-1].split()[:5] == ["decode-1", "worker", "given_up", "-", "5"]
+    assert lines[-1].endswith("a crash loop, not restarted")

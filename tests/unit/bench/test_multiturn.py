@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.bench.multiturn import MultiTurnConfig, RoutingResult, TurnResult, render_table
+from pdserve.bench.multiturn import (
+    MultiTurnConfig,
+    RoutingResult,
+    TurnResult,
+    render_table,
+    two_router_comparison,
+)
 from pdserve.errors import ConfigError
 
 
@@ -46,3 +52,19 @@ def test_a_workload_too_small_to_report_is_refused_naming_the_flag() -> None:
         MultiTurnConfig(num_chats=0)
     with pytest.raises(ConfigError, match=r"--routing: 'nearest' is not one of"):
         MultiTurnConfig(routings=("nearest",))
+
+
+def test_two_routers_are_compared_with_one_by_hit_rate_and_ttft_gain() -> None:
+    def result(name: str, ttft: float, prefilled: int) -> RoutingResult:
+        turns = [turn(1, 50.0, 100, 100, 0, 0)]
+        turns += [turn(n, ttft, 148, prefilled, 96, 115) for n in range(2, 6)]
+        return RoutingResult(name, turns)
+
+    base, one = result("round_robin", 40.0, 148), result("affinity", 10.0, 52)
+    close = two_router_comparison([base, one, result("affinity-2routers", 10.5, 55)])
+    assert close["two_router_hit_rate_ratio"] == pytest.approx(93 / 96)
+    assert close["two_router_ttft_gain_ratio"] == pytest.approx((40 / 10.5) / (40 / 10))
+    assert close["two_router_within_10pct"] == 1.0
+    far = two_router_comparison([base, one, result("affinity-2routers", 30.0, 148)])
+    assert far["two_router_hit_rate_ratio"] == 0.0 and far["two_router_within_10pct"] == 0.0
+    assert two_router_comparison([base, one]) == {}
