@@ -117,11 +117,13 @@ class RequestBuilder:
         # OpenAI's default for chat is "until the context is full".
         default = max(self._config.max_model_len - len(ids), 1)
         max_tokens = _or(body.max_completion_tokens, _or(body.max_tokens, default))
+        # An error about the output limit names the field the client actually sent.
+        limit = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         if body.top_logprobs is not None and not body.logprobs:
             raise InvalidRequest("top_logprobs: needs logprobs set to true", "top_logprobs")
         top = (body.top_logprobs or 0) if body.logprobs else None
-        sampling = self._sampling(body, max_tokens, top, None)
-        self._check_context(prompt, max_tokens, "messages")
+        sampling = self._sampling(body, max_tokens, top, None, limit)
+        self._check_context(prompt, max_tokens, "messages", limit)
         return self._job("chat", "chatcmpl", body, [prompt], sampling, body.n, top, False, False)
 
     # ---- parts -----------------------------------------------------------------------------
@@ -177,6 +179,7 @@ class RequestBuilder:
         max_tokens: int,
         logprobs: int | None,
         prompt_logprobs: int | None,
+        limit_param: str = "max_tokens",
     ) -> SamplingModel:
         if body.seed is not None and not 0 <= body.seed < _SEED_LIMIT:
             raise InvalidRequest(f"seed: must be in [0, 2**63), got {body.seed}", "seed")
@@ -203,9 +206,10 @@ class RequestBuilder:
                 grammar=self._grammar(body),
             )
         except SamplingParamsError as exc:
-            field = str(exc).split(":", 1)[0]
-            param = "max_tokens" if field == "max_tokens" else field
-            raise InvalidRequest(str(exc), param) from exc
+            field, _, rest = str(exc).partition(":")
+            if field == "max_tokens":
+                raise InvalidRequest(f"{limit_param}:{rest}", limit_param) from exc
+            raise InvalidRequest(str(exc), field) from exc
         return SamplingModel.from_params(params)
 
     def _token_ids(self, ids: Collection[int], param: str) -> list[int]:
@@ -271,7 +275,9 @@ class RequestBuilder:
             raise InvalidRequest(f"{param}: {exc}", param, "invalid_grammar") from exc
         return spec
 
-    def _check_context(self, prompt: PromptInput, max_tokens: int, param: str) -> None:
+    def _check_context(
+        self, prompt: PromptInput, max_tokens: int, param: str, limit_param: str = "max_tokens"
+    ) -> None:
         limit = self._config.max_model_len
         n = len(prompt.token_ids)
         if n >= limit:
@@ -283,9 +289,9 @@ class RequestBuilder:
             )
         if n + max_tokens > limit:
             raise InvalidRequest(
-                f"max_tokens: prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds this"
-                f" model's context of {limit} tokens",
-                "max_tokens",
+                f"{limit_param}: prompt ({n} tokens) + {limit_param} ({max_tokens}) exceeds"
+                f" this model's context of {limit} tokens",
+                limit_param,
                 "context_length_exceeded",
             )
 

@@ -92,3 +92,23 @@ SPECS = st.one_of(
 def test_sampling_round_trips_the_wire(params: SamplingParams) -> None:
     wire = SamplingModel.from_params(params).model_dump_json()
     assert SamplingModel.model_validate_json(wire).to_params() == params
+
+
+@pytest.mark.parametrize(
+    ("limits", "param"),
+    [
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"max_completion_tokens": 5000}, "max_completion_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 5000}, "max_tokens"),
+        ({"max_tokens": 4, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ],
+)
+def test_a_bad_output_limit_is_named_as_the_client_sent_it(
+    builder: RequestBuilder, limits: dict[str, int], param: str
+) -> None:
+    body = {"model": "tiny-v1", "messages": [{"role": "user", "content": "hi"}], **limits}
+    with pytest.raises(InvalidRequest) as caught:
+        builder.chat(body)
+    assert caught.value.param == param
+    assert caught.value.message.startswith(f"{param}:"), caught.value.message
