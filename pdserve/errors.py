@@ -28,7 +28,9 @@ field, the worker, the frame.
     │   ├── DuplicateRequest            request id already in the engine
     │   ├── PromptTooLong               prompt + max_tokens exceed the model or the KV cache
     │   ├── KVNotReady                  remote KV for a request is not complete and verified
-    │   └── KVValueMismatch             verified KV computes something else (the canary; retryable)
+    │   ├── KVValueMismatch             verified KV computes something else (the canary; retryable)
+    │   └── CheckpointRefused           a decode checkpoint refused: no room, bad version,
+    │                                   fingerprint, checksum or chain (names the reason)
     ├── LeaseError
     │   ├── LeaseExpired                the grant lapsed (retryable: ask for a new one)
     │   └── StaleLease                  a newer grant (higher epoch) supersedes this one
@@ -191,6 +193,15 @@ class Overloaded(EngineError):
     """The worker's admission queue is full; another worker or a later retry may do."""
 
     retryable = True
+
+
+class CheckpointRefused(EngineError):
+    """A checkpoint holder refused a put or a read; `reason` is a bounded metric label
+    ("full", "version", "fingerprint", "checksum", "chain", "missing")."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class KVValueMismatch(EngineError):
