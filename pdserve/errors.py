@@ -21,6 +21,7 @@ field, the worker, the frame.
     │   ├── Unauthenticated             no credential at all (HTTP 401)
     │   └── Forbidden                   forged, expired or replayed credential (HTTP 403)
     ├── DeadlineExceeded                the request's deadline passed while a worker waited
+    ├── PeerCallError                   a worker's call to another worker failed (retryable)
     ├── EngineError
     │   ├── NoFreeBlocks                no KV blocks for the request right now (retryable)
     │   ├── Overloaded                  the worker's admission queue is full (retryable, 503)
@@ -66,6 +67,19 @@ class PdserveError(Exception):
     """Base class of every error pdserve raises on purpose."""
 
     retryable: bool = False
+
+
+class PeerCallError(PdserveError):
+    """A worker's control call to another worker (a checkpoint holder) failed; `status` is
+    the HTTP status (0: unreachable) and `error_type` the peer's error class, if any."""
+
+    retryable = True
+
+    def __init__(self, url: str, status: int, error_type: str, detail: str) -> None:
+        super().__init__(f"worker {url}: {error_type or 'unreachable'} ({status}): {detail}")
+        self.url = url
+        self.status = status
+        self.error_type = error_type
 
 
 class ConfigError(PdserveError, ValueError):
