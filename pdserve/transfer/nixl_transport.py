@@ -252,6 +252,12 @@ class _Spares:
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         self._building[config] = task
 
+    async def settled(self) -> None:
+        """Return once no spare is being built (a build allocates a whole inbox)."""
+        pending = [t for t in self._building.values() if not t.done()]
+        if pending:
+            await asyncio.wait(pending)
+
 
 _SPARES = _Spares()
 
@@ -261,6 +267,11 @@ def prewarm_nixl(config: NixlConfig | None = None) -> None:
     first connection of this process does not pay for it. Call from the event loop."""
     if nixl_available():
         _SPARES.refill(config or NixlConfig())
+
+
+async def nixl_spares_settled() -> None:
+    """Wait for background spare builds to finish (for measurements that count memory)."""
+    await _SPARES.settled()
 
 
 async def _progress_loop(endpoint: _Endpoint) -> None:

@@ -89,6 +89,10 @@ class EngineLoop:
         # Guards `_stopped` with the queue's tail: no command is queued behind the stop.
         self._lock = threading.Lock()
         self._stopped = False
+        # The engine's counts as of the end of its last command or step, written on the engine
+        # thread only (one reference assignment): /health must answer while a long step (a
+        # 4096-token prefill: seconds on a CPU) runs, or a busy worker looks dead.
+        self._snapshot: EngineStats | None = None
 
     @property
     def thread_ident(self) -> int | None:
@@ -233,8 +237,12 @@ class EngineLoop:
         return await self.call(release)
 
     async def stats(self) -> EngineStats:
-        """Current block and queue counts."""
-        return await self.call(lambda engine: engine.stats())
+        """Block and queue counts as of the engine's last command or step, without waiting
+        for a step in progress (exact whenever the engine is between steps)."""
+        with self._lock:
+            if self._stopped or self._snapshot is None:
+                raise RuntimeError("the engine thread has stopped")
+            return self._snapshot
 
     async def kv_block_views(self, request_id: str) -> list[memoryview]:
         """The request's blocks as byte views (see the module docstring on their use)."""
@@ -249,6 +257,7 @@ class EngineLoop:
         except BaseException as exc:
             self._started.set_exception(exc)
             return
+        self._snapshot = engine.stats()
         self._started.set_result(info)
         while True:
             # Block only when a step would do nothing: idle costs no CPU.
@@ -278,9 +287,14 @@ class EngineLoop:
         if not command.future.set_running_or_notify_cancel():
             return
         try:
-            command.future.set_result(command.fn(engine))
+            result = command.fn(engine)
         except BaseException as exc:
+            self._snapshot = engine.stats()
             command.future.set_exception(exc)
+        else:
+            # Before the answer: whoever awaited the command then sees its effect in `stats`.
+            self._snapshot = engine.stats()
+            command.future.set_result(result)
 
     def _step(self, engine: Engine) -> None:
         try:
@@ -293,7 +307,9 @@ class EngineLoop:
                 with contextlib.suppress(RequestNotFound):
                     engine.abort(request_id)
             self._streams.clear()
+            self._snapshot = engine.stats()
             return
+        self._snapshot = engine.stats()
         for delta in deltas:
             stream = self._streams.get(delta.request_id)
             if stream is None:
@@ -306,6 +322,7 @@ class EngineLoop:
                     stream.on_finish(engine)
                 except Exception:
                     logger.exception("finish hook of %s failed", delta.request_id)
+                self._snapshot = engine.stats()
 
     @staticmethod
     def _publish(stream: _Stream, delta: RequestDelta) -> None:

@@ -23,7 +23,12 @@ import torch
 from pdserve.errors import PeerClosed, StreamBroken
 from pdserve.transfer.faulty import Fault, FaultAction, FaultPlan, FaultyStream
 from pdserve.transfer.memory import memory_stream_pair
-from pdserve.transfer.nixl_transport import nixl_available, open_nixl_stream, serve_nixl
+from pdserve.transfer.nixl_transport import (
+    nixl_available,
+    nixl_spares_settled,
+    open_nixl_stream,
+    serve_nixl,
+)
 from pdserve.transfer.shm import leaked_segments, open_shm_stream, serve_shm
 from pdserve.transfer.stream import ByteStream
 from pdserve.transfer.tcp import open_tcp_stream, serve_tcp
@@ -344,6 +349,9 @@ def test_no_python_copy_of_the_payload(transport: str) -> None:
         async with stream_pair(transport) as (a, b):
             await a.send([b"warm"])
             await receive_exactly(b, 4)
+            # A NIXL connection builds its replacement endpoint in a thread; that 64 MiB inbox
+            # is not a copy of the payload, so let the build finish before counting.
+            await nixl_spares_settled()
             tracemalloc.start()
             try:
                 await asyncio.gather(a.send([payload.data]), b.receive_into(out.data))

@@ -174,3 +174,44 @@ def test_stop_fails_commands_queued_behind_it(model: LoadedModel) -> None:
         assert time.monotonic() - start < 2
 
     asyncio.run(run())
+
+
+def test_stats_answer_while_a_long_step_runs(model: LoadedModel) -> None:
+    """A worker's /health reads `stats`: a multi-second step must not make it look dead."""
+    in_step, release = threading.Event(), threading.Event()
+
+    class SlowEngine(ThreadCheckedEngine):
+        def __getattr__(self, name: str) -> Any:
+            attr = super().__getattr__(name)
+            if name != "step":
+                return attr
+
+            def step() -> Any:
+                in_step.set()
+                release.wait(10)
+                return attr()
+
+            return step
+
+    slow = SlowEngine(make_engine(model))
+    loop = EngineLoop(lambda: cast(Engine, slow))
+
+    async def run() -> None:
+        await loop.start()
+        try:
+            queue = await loop.add("r", [5, 6, 7], GREEDY)
+            assert await asyncio.to_thread(in_step.wait, 10)
+            started = time.monotonic()
+            stats = await asyncio.wait_for(loop.stats(), 2)
+            assert time.monotonic() - started < 1.0
+            assert stats.num_waiting + stats.num_running == 1  # as of the step's start
+            release.set()
+            await collect(queue)
+            # Between steps the counts are exact: the finished request freed its blocks.
+            stats = await loop.stats()
+            assert (stats.num_running, stats.num_free_blocks) == (0, stats.num_blocks)
+        finally:
+            release.set()
+            loop.stop()
+
+    asyncio.run(run())
