@@ -223,6 +223,17 @@ class HostTier:
         self.num_blocks_read += len(views)
         return views
 
+    def adopt(self, owner: str, block_hashes: Sequence[int]) -> int:
+        """`owner` holds the held blocks of `block_hashes` too (a resumed request takes its
+        checkpoint over); returns blocks it now holds."""
+        owned = self._owned.setdefault(owner, set())
+        for h in block_hashes:
+            entry = self._entries.get(h)
+            if entry is not None:
+                entry.owners.add(owner)
+                owned.add(h)
+        return len(owned)
+
     # ---- release -------------------------------------------------------------------------
 
     def release(self, owner: str) -> int:

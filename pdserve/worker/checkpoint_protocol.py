@@ -45,6 +45,8 @@ class CheckpointPut(_Model):
 
 class CheckpointOwner(_Model):
     owner: str
+    # A renewal extends the owner's lease by this.
+    lease_ttl_s: float = Field(default=30.0, gt=0)
 
 
 class CheckpointRenewed(_Model):
@@ -77,6 +79,9 @@ class CheckpointSend(_Model):
     token_ids: list[int] = Field(min_length=1)
     fingerprint_digest: str
     reservation: SignedReservation
+    # The resumed request takes the blocks over under its own lease (None: only read them).
+    adopt_owner: str | None = None
+    lease_ttl_s: float = Field(default=30.0, gt=0)
 
 
 class CheckpointSent(_Model):

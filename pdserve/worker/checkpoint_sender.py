@@ -64,7 +64,9 @@ class BlockSender:
         """Send `blocks` (the KV of `token_ids`' blocks) until acknowledged; returns bytes.
         Raises the transfer's typed error when it cannot be delivered in `timeout_s`."""
         info = self._info
-        layout = KVLayout(info.num_layers, len(blocks), info.block_bytes, info.dtype, info.block_size)
+        layout = KVLayout(
+            info.num_layers, len(blocks), info.block_bytes, info.dtype, info.block_size
+        )
         transfer = OutgoingTransfer(
             destination.transfer_id,
             request_id,

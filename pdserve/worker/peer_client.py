@@ -53,7 +53,9 @@ class PeerClient:
                     try:
                         error = ErrorBody.model_validate_json(raw)
                     except ValidationError:
-                        raise PeerCallError(url, resp.status, "", raw[:200].decode(errors="replace")) from None
+                        raise PeerCallError(
+                            url, resp.status, "", raw[:200].decode(errors="replace")
+                        ) from None
                     raise PeerCallError(url, resp.status, error.type, error.error)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise PeerCallError(url, 0, "", f"{path}: {type(exc).__name__}: {exc}") from None

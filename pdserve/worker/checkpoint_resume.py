@@ -1,0 +1,190 @@
+"""A resumed request's first step: pull the longest checkpointed prefix of its KV.
+
+When the router migrates a request whose decode worker died, it tells the new decode worker
+where the request's checkpoint is (`GenerateRequest.checkpoint_from`). Before the ordinary
+`/generate` runs, this worker:
+
+    1. counts the leading full blocks its own prefix cache already holds (nearest cache
+       first: nothing travels for those);
+    2. asks the holder (/checkpoint/lookup) how many leading blocks of prompt + output it
+       holds; fewer than the local ones: nothing to pull;
+    3. allocates fresh blocks for them and expects their transfer (a plan naming the blocks'
+       tokens: the transfer checks count, token digest, fingerprint and every chunk's
+       checksum), then asks the holder to send them to a reservation signed with the
+       cluster's key (/checkpoint/send; the holder checks version, fingerprint and checksum
+       of every block before it sends, and refuses a bad one);
+    4. verified: the blocks are registered in the prefix cache and freed to it, so the
+       request's admission finds them cached and recomputes only the tokens after them.
+       Anything else: the writer is fenced, the blocks freed unregistered, and the request
+       recomputes everything, as without checkpoints.
+
+Every outcome is a `Pull` (path and reason: the metric's labels). It never raises: a resume
+must not fail because its checkpoint did.
+
+It knows the engine loop, the KV receiver, the peer client and the reservation signer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdserve.errors import PdserveError, PeerCallError
+from pdserve.transfer.messages import KVLayout, token_digest
+from pdserve.transfer.receiver import IncomingTransfer, KVReceiver
+from pdserve.transfer.receiver_session import ReceivePlan
+from pdserve.worker.checkpoint_protocol import (
+    CheckpointFound,
+    CheckpointLookup,
+    CheckpointSend,
+    CheckpointSent,
+)
+from pdserve.worker.engine_loop import EngineInfo, EngineLoop
+from pdserve.worker.peer_client import PeerClient
+from pdserve.worker.protocol import CheckpointSource, KVEndpoint, Reservation
+from pdserve.worker.reservation_auth import sign_reservation
+
+_PULL_EPOCH = 0
+
+
+class Path(enum.Enum):
+    CHECKPOINT = "checkpoint"  # blocks pulled from the holder
+    LOCAL = "local"  # this worker's prefix cache had at least as much
+    RECOMPUTE = "recompute"  # nothing usable: recompute everything
+
+
+@dataclass(frozen=True, slots=True)
+class Pull:
+    """What a resume's pull did."""
+
+    path: Path
+    # Why (a bounded label): "ok", "none_held", "holder_unreachable", "refused_<reason>",
+    # "no_room", "transfer_failed".
+    reason: str
+    num_blocks: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+
+
+class CheckpointPuller:
+    """Pulls checkpoints into this worker's prefix cache."""
+
+    def __init__(
+        self,
+        engine: EngineLoop,
+        info: EngineInfo,
+        peers: PeerClient,
+        receiver: KVReceiver,
+        endpoints: Callable[[], list[KVEndpoint]],
+        reservation_key: bytes | None,
+        *,
+        timeout_s: float = 10.0,
+    ) -> None:
+        self._engine = engine
+        self._info = info
+        self._peers = peers
+        self._receiver = receiver
+        self._endpoints = endpoints
+        self._key = reservation_key
+        self._timeout_s = timeout_s
+
+    async def pull(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        source: CheckpointSource,
+        adopt_owner: str | None = None,
+        lease_ttl_s: float = 30.0,
+    ) -> Pull:
+        """Bring the longest checkpointed prefix of `token_ids` into the prefix cache."""
+        start = time.monotonic()
+        info = self._info
+        bs = info.block_size
+        # One token is always left to compute: the step that computes it samples the next.
+        usable = max(len(token_ids) - 1, 0) // bs
+        local = await self._engine.call(lambda e: e.num_cached_prefix_blocks(token_ids))
+        lookup = CheckpointLookup(
+            token_ids=token_ids[: usable * bs], fingerprint_digest=info.fingerprint_digest
+        )
+        try:
+            found = await self._peers.post(
+                source.holder_url, "/checkpoint/lookup", lookup, CheckpointFound
+            )
+        except PeerCallError as exc:
+            return Pull(Path.RECOMPUTE, _reason(exc))
+        num_blocks = min(found.num_blocks, usable)
+        if num_blocks <= local:
+            return Pull(Path.LOCAL if local else Path.RECOMPUTE, "none_held", local)
+        import_id = f"{request_id}#checkpoint"
+        views = await self._engine.call(lambda e: e.import_begin(import_id, num_blocks))
+        if views is None:
+            return Pull(Path.RECOMPUTE, "no_room")
+        prefix = token_ids[: num_blocks * bs]
+        verified = asyncio.Event()
+        transfer_id, capability = os.urandom(16), os.urandom(16)
+        layout = KVLayout(info.num_layers, num_blocks, info.block_bytes, info.dtype, bs)
+        plan = ReceivePlan(
+            transfer_id,
+            capability,
+            layout,
+            import_id,
+            len(prefix),
+            token_digest(prefix),
+            epoch=_PULL_EPOCH,
+        )
+        ok = False
+        try:
+            self._receiver.expect(IncomingTransfer(plan, views, verified.set))
+            reservation = Reservation(
+                request_id=import_id,
+                transfer_id=transfer_id.hex(),
+                capability_token=capability.hex(),
+                endpoints=self._endpoints(),
+                lease_epoch=_PULL_EPOCH,
+                num_cached_tokens=0,
+                lease_ttl_s=self._timeout_s,
+            )
+            body = CheckpointSend(
+                token_ids=prefix,
+                fingerprint_digest=info.fingerprint_digest,
+                reservation=sign_reservation(
+                    self._key, reservation, None, time.time() + self._timeout_s
+                ),
+                adopt_owner=adopt_owner,
+                lease_ttl_s=lease_ttl_s,
+            )
+            try:
+                async with asyncio.timeout(self._timeout_s):
+                    sent = await self._peers.post(
+                        source.holder_url,
+                        "/checkpoint/send",
+                        body,
+                        CheckpointSent,
+                        timeout_s=self._timeout_s,
+                    )
+                    await verified.wait()
+            except PeerCallError as exc:
+                return Pull(Path.RECOMPUTE, _reason(exc))
+            except TimeoutError:
+                return Pull(Path.RECOMPUTE, "transfer_failed")
+            ok = True
+            return Pull(Path.CHECKPOINT, "ok", num_blocks, sent.num_bytes, time.monotonic() - start)
+        finally:
+            # No write after this: the writer is fenced before the blocks are freed.
+            await asyncio.shield(self._receiver.fence(transfer_id))
+            keep = prefix if ok else None
+            await self._engine.call(lambda e: e.import_end(import_id, keep))
+
+
+def _reason(exc: PdserveError) -> str:
+    """A bounded label for a failed holder call."""
+    if isinstance(exc, PeerCallError):
+        if exc.status == 0:
+            return "holder_unreachable"
+        if exc.error_type == "CheckpointRefused":
+            return "refused"
+    return "holder_error"
