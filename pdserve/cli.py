@@ -219,6 +219,21 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument(
         "--check", type=Path, default=None, metavar="HISTORY", help="judge a stored history again"
     )
+    costs = c.add_argument_group(
+        "decode checkpoints (pdserve chaos --checkpoint-costs: decode death with them on vs off)"
+    )
+    costs.add_argument(
+        "--checkpoint-costs",
+        action="store_true",
+        help="kill the decode worker mid-decode at each context length, checkpoints on and"
+        " off: time to the next token, tokens recomputed, KV bytes pulled",
+    )
+    costs.add_argument(
+        "--contexts",
+        type=_context_list,
+        default=(512, 2048, 8192),
+        help="prompt lengths in tokens, comma-separated (default 512,2048,8192)",
+    )
 
     a = sub.add_parser(
         "advise",
@@ -333,12 +348,34 @@ def _cmd_soak(args: argparse.Namespace) -> int:
     return run_soak(config, "pdserve " + " ".join(sys.argv[1:]))
 
 
+def _context_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of integers") from None
+    if not values or min(values) < 16:
+        raise argparse.ArgumentTypeError(f"{text!r}: every context must be >= 16 tokens")
+    return values
+
+
 def _cmd_chaos(args: argparse.Namespace) -> int:
     from pdserve.bench.chaos import ChaosConfig, run_chaos
     from pdserve.bench.chaos_scenarios import find_scenarios
 
     if args.soak is not None or args.check is not None:
         return _cmd_soak(args)
+    if args.checkpoint_costs:
+        from pdserve.bench.checkpoint_costs import CostConfig, run_costs
+
+        return run_costs(
+            CostConfig(
+                contexts=args.contexts,
+                max_tokens=args.max_tokens if args.max_tokens != 24 else 64,
+                model=args.model,
+                json_path=args.json,
+                workdir=args.workdir,
+            )
+        )
 
     config = ChaosConfig(
         scenarios=find_scenarios(args.scenario),
