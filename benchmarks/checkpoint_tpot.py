@@ -44,7 +44,9 @@ def start_router(cluster: ChaosCluster, policy: str, workdir: Path) -> Child:
     args += ["--local-prefill-threshold", "0"]
     for name in cluster.workers:
         args += ["--worker", cluster.url(name)]
-    child = spawn_child(f"router-{policy}-{time.monotonic_ns()}", args, workdir, env={ENV_VAR: cluster.secret})
+    child = spawn_child(
+        f"router-{policy}-{time.monotonic_ns()}", args, workdir, env={ENV_VAR: cluster.secret}
+    )
     child.url = wait_child_ready(child, time.monotonic() + 60)
     return child
 
@@ -89,12 +91,18 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--policies", default="off,every-1,every-4")
+    parser.add_argument(
+        "--kv-transport", default="auto", help="the workers' --kv-transport (auto, tcp, ...)"
+    )
     args = parser.parse_args()
     # "off" first (the cluster's own router); a second "off" measures the noise floor.
     policies = ["off", *(f"{p}#{i}" for i, p in enumerate(args.policies.split(","), 1))]
     with tempfile.TemporaryDirectory(prefix="pdserve-ckpt-tpot-") as tmp:
         workdir = Path(tmp)
-        cluster = ChaosCluster(WORKERS, ("--checkpoint", "off"), workdir)
+        workers = tuple(
+            WorkerSpec(w.name, w.role, ("--kv-transport", args.kv_transport)) for w in WORKERS
+        )
+        cluster = ChaosCluster(workers, ("--checkpoint", "off"), workdir)
         routers: list[Child] = []
         results: dict[str, list[float]] = {p: [] for p in policies}
         try:
@@ -128,6 +136,7 @@ def main() -> int:
         "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
+        "kv_transport": args.kv_transport,
         "policies": {},
     }
     print(f"{'checkpoint':<12} {'TPOT p50 ms':>12} {'p90 ms':>8} {'vs off':>8}")
