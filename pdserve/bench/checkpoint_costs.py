@@ -3,7 +3,8 @@ with decode checkpoints on and off, at several context lengths.
 
 For each context length and each mode, a fresh cluster (one prefill, two decode workers; the
 router with `--checkpoint every-1` or `off`) serves one streamed, greedy completion whose
-prompt has that many tokens. Once the client has `kill_after` tokens, the decode worker
+prompt has that many tokens, after two warm-up requests (one per decode worker) have opened
+the KV connections, as in a cluster that has been serving. Once the client has `kill_after` tokens, the decode worker
 streaming it is SIGKILLed; the router migrates the request to the other decode worker, which
 pulls the checkpoint (on) or recomputes prompt + output (off). Then the same request runs
 again fault-free on the survivor: the reference text. Measured, per run:
@@ -155,6 +156,10 @@ async def _run_one(config: CostConfig, context: int, mode: str, workdir: Path) -
 
         timeout = aiohttp.ClientTimeout(total=600)
         async with aiohttp.ClientSession(timeout=timeout) as session:
+            # Warm-up, as a serving cluster is: two requests at once (one per decode worker,
+            # each the other's holder) open the KV connections every later request reuses.
+            warm = [{**body, "prompt": [7 + i] * 64, "max_tokens": 40} for i in range(2)]
+            await asyncio.gather(*(stream_completion(session, cluster.router_url, w) for w in warm))
             faulted = await stream_completion(session, cluster.router_url, body, on_tokens, 600)
             if faulted.error is not None or "at" not in killed:
                 result.error = faulted.error or "no decode worker had the stream at the kill"

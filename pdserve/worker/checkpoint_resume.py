@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.errors import PdserveError, PeerCallError
-from pdserve.transfer.messages import KVLayout, token_digest
+from pdserve.transfer.messages import token_digest
 from pdserve.transfer.receiver import IncomingTransfer, KVReceiver
 from pdserve.transfer.receiver_session import ReceivePlan
 from pdserve.worker.checkpoint_protocol import (
@@ -43,6 +43,7 @@ from pdserve.worker.checkpoint_protocol import (
     CheckpointSend,
     CheckpointSent,
 )
+from pdserve.worker.checkpoint_sender import layout_of
 from pdserve.worker.engine_loop import EngineInfo, EngineLoop
 from pdserve.worker.peer_client import PeerClient
 from pdserve.worker.protocol import CheckpointSource, KVEndpoint, Reservation
@@ -126,7 +127,7 @@ class CheckpointPuller:
         prefix = token_ids[: num_blocks * bs]
         verified = asyncio.Event()
         transfer_id, capability = os.urandom(16), os.urandom(16)
-        layout = KVLayout(info.num_layers, num_blocks, info.block_bytes, info.dtype, bs)
+        layout = layout_of(info, num_blocks)
         plan = ReceivePlan(
             transfer_id,
             capability,

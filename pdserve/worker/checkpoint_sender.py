@@ -25,6 +25,11 @@ from pdserve.worker.kv_connections import ConnectionPool
 from pdserve.worker.kv_outbox import Destination
 
 
+def layout_of(info: EngineInfo, num_blocks: int) -> KVLayout:
+    """The wire layout of `num_blocks` of this engine's blocks."""
+    return KVLayout(info.num_layers, num_blocks, info.block_bytes, info.dtype, info.block_size)
+
+
 def put_request_id(owner: str, first_version: int) -> str:
     """The request id a checkpoint put's transfer names (both sides derive it)."""
     return f"{owner}@{first_version}"
@@ -64,9 +69,7 @@ class BlockSender:
         """Send `blocks` (the KV of `token_ids`' blocks) until acknowledged; returns bytes.
         Raises the transfer's typed error when it cannot be delivered in `timeout_s`."""
         info = self._info
-        layout = KVLayout(
-            info.num_layers, len(blocks), info.block_bytes, info.dtype, info.block_size
-        )
+        layout = layout_of(info, len(blocks))
         transfer = OutgoingTransfer(
             destination.transfer_id,
             request_id,

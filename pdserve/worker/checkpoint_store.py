@@ -32,7 +32,7 @@ from pdserve.checkpoint.holder import Refusal
 from pdserve.checkpoint.host_tier import HostPut, HostTier
 from pdserve.engine.block_manager import prefix_block_hashes
 from pdserve.errors import CheckpointRefused, PdserveError
-from pdserve.transfer.messages import KVLayout, token_digest
+from pdserve.transfer.messages import token_digest
 from pdserve.transfer.receiver import IncomingTransfer, KVReceiver
 from pdserve.transfer.receiver_session import ReceivePlan
 from pdserve.worker.checkpoint_protocol import (
@@ -44,7 +44,7 @@ from pdserve.worker.checkpoint_protocol import (
     CheckpointSend,
     CheckpointSent,
 )
-from pdserve.worker.checkpoint_sender import BlockSender, put_request_id
+from pdserve.worker.checkpoint_sender import BlockSender, layout_of, put_request_id
 from pdserve.worker.engine_loop import EngineInfo
 from pdserve.worker.kv_outbox import Destination
 from pdserve.worker.protocol import KVEndpoint, Reservation
@@ -127,9 +127,7 @@ class CheckpointStore:
         info = self._info
         tokens = [t for block in body.block_tokens for t in block]
         transfer_id, capability = os.urandom(16), os.urandom(16)
-        layout = KVLayout(
-            info.num_layers, len(pending.keys), info.block_bytes, info.dtype, info.block_size
-        )
+        layout = layout_of(info, len(pending.keys))
         plan = ReceivePlan(
             transfer_id,
             capability,
