@@ -69,6 +69,8 @@ class CheckpointLookup(_Model):
 
 class CheckpointFound(_Model):
     num_blocks: int
+    # The holder's instance: a resuming worker that is the holder itself reads its own tier.
+    holder_id: str = ""
     # Tokens those blocks cover.
     version: int
 

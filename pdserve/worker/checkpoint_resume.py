@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.errors import PdserveError, PeerCallError
+from pdserve.errors import CheckpointRefused, PdserveError, PeerCallError
 from pdserve.transfer.messages import token_digest
 from pdserve.transfer.receiver import IncomingTransfer, KVReceiver
 from pdserve.transfer.receiver_session import ReceivePlan
@@ -44,6 +44,7 @@ from pdserve.worker.checkpoint_protocol import (
     CheckpointSent,
 )
 from pdserve.worker.checkpoint_sender import layout_of
+from pdserve.worker.checkpoint_store import CheckpointStore
 from pdserve.worker.engine_loop import EngineInfo, EngineLoop
 from pdserve.worker.peer_client import PeerClient
 from pdserve.worker.protocol import CheckpointSource, KVEndpoint, Reservation
@@ -63,7 +64,8 @@ class Pull:
     """What a resume's pull did."""
 
     path: Path
-    # Why (a bounded label): "ok", "none_held", "holder_unreachable", "refused_<reason>",
+    # Why (a bounded label): "ok" (pulled), "own_tier" (this worker held it: copied in
+    # process, no transfer), "none_held", "holder_unreachable", "refused_<reason>",
     # "no_room", "transfer_failed".
     reason: str
     num_blocks: int = 0
@@ -83,6 +85,7 @@ class CheckpointPuller:
         endpoints: Callable[[], list[KVEndpoint]],
         reservation_key: bytes | None,
         *,
+        store: CheckpointStore | None = None,
         timeout_s: float = 10.0,
     ) -> None:
         self._engine = engine
@@ -92,6 +95,8 @@ class CheckpointPuller:
         self._endpoints = endpoints
         self._key = reservation_key
         self._timeout_s = timeout_s
+        # This worker's own holder: a checkpoint held here is copied in process.
+        self._store = store
 
     async def pull(
         self,
@@ -125,6 +130,8 @@ class CheckpointPuller:
         if views is None:
             return Pull(Path.RECOMPUTE, "no_room")
         prefix = token_ids[: num_blocks * bs]
+        if self._store is not None and found.holder_id == self._store.holder_id:
+            return await self._copy_own(import_id, views, prefix, adopt_owner, lease_ttl_s, start)
         verified = asyncio.Event()
         transfer_id, capability = os.urandom(16), os.urandom(16)
         layout = layout_of(info, num_blocks)
@@ -177,6 +184,35 @@ class CheckpointPuller:
         finally:
             # No write after this: the writer is fenced before the blocks are freed.
             await asyncio.shield(self._receiver.fence(transfer_id))
+            keep = prefix if ok else None
+            await self._engine.call(lambda e: e.import_end(import_id, keep))
+
+    async def _copy_own(
+        self,
+        import_id: str,
+        views: list[memoryview],
+        prefix: list[int],
+        adopt_owner: str | None,
+        lease_ttl_s: float,
+        start: float,
+    ) -> Pull:
+        """The checkpoint is in this worker's own tier: check and copy it, no transfer."""
+        assert self._store is not None
+        ok = False
+        try:
+            digest = self._info.fingerprint_digest
+            try:
+                blocks = self._store.read_local(prefix, digest, adopt_owner, lease_ttl_s)
+            except CheckpointRefused:
+                return Pull(Path.RECOMPUTE, "refused")
+            # The import's blocks belong to no running request: nothing else touches them.
+            for view, block in zip(views, blocks, strict=True):
+                view[:] = block
+            ok = True
+            num_bytes = sum(b.nbytes for b in blocks)
+            elapsed = time.monotonic() - start
+            return Pull(Path.CHECKPOINT, "own_tier", len(blocks), num_bytes, elapsed)
+        finally:
             keep = prefix if ok else None
             await self._engine.call(lambda e: e.import_end(import_id, keep))
 

@@ -81,6 +81,7 @@ class CheckpointService:
             inbox.receiver,
             lambda: inbox.endpoints,
             config.reservation_key,
+            store=self.store,
         )
         # Resumes by (path, reason); tokens they had to restore and recomputed; bytes pulled.
         self.resumes: Counter[tuple[str, str]] = Counter()

@@ -84,6 +84,8 @@ class CheckpointStore:
         self.num_blocks_sent = 0
         self.num_bytes_sent = 0
         self.send_failures: Counter[str] = Counter()
+        # Names this holder in lookups, so a worker resuming on itself reads in process.
+        self.holder_id = os.urandom(8).hex()
 
     def start(self) -> None:
         """Start the reaper of lapsed owner leases."""
@@ -206,7 +208,26 @@ class CheckpointStore:
         self._check_fingerprint(body.fingerprint_digest, "checkpoint lookup")
         hashes = prefix_block_hashes(body.token_ids, self._info.block_size)
         hit = self.tier.longest_prefix(hashes, body.fingerprint_digest)
-        return CheckpointFound(num_blocks=hit.num_blocks, version=hit.version)
+        return CheckpointFound(
+            num_blocks=hit.num_blocks, version=hit.version, holder_id=self.holder_id
+        )
+
+    def read_local(
+        self,
+        token_ids: list[int],
+        fingerprint: str,
+        adopt_owner: str | None,
+        lease_ttl_s: float,
+    ) -> list[memoryview]:
+        """The held blocks of `token_ids` (whole blocks, each checked) for a request resuming
+        on this worker: no transfer. CheckpointRefused names a missing or bad block."""
+        hashes = prefix_block_hashes(token_ids, self._info.block_size)
+        blocks = self.tier.read(hashes, fingerprint)
+        if adopt_owner is not None:
+            self._lease(adopt_owner, lease_ttl_s)
+            self.tier.adopt(adopt_owner, hashes)
+        self.num_blocks_sent += len(blocks)
+        return blocks
 
     async def send(self, body: CheckpointSend, destination: Destination) -> CheckpointSent:
         """Send the blocks of `body.token_ids` (whole blocks, each checked here first) to the

@@ -121,7 +121,11 @@ def resumed_from_checkpoint(handles: list[WorkerHandle], faulted: WorkerHandle) 
         if h is faulted or h.role != "decode":
             continue
         m = metrics(h.url)
-        n = m.get("pdserve_worker_checkpoint_resumes_total{path=checkpoint,reason=ok}", 0)
+        n = sum(
+            v
+            for k, v in m.items()
+            if k.startswith("pdserve_worker_checkpoint_resumes_total{path=checkpoint,")
+        )
         resumes[h.url] = (n, m.get("pdserve_worker_checkpoint_recomputed_tokens_total", 0))
     pulled = [v for v in resumes.values() if v[0] == 1]
     assert len(pulled) == 1, f"no worker resumed from a checkpoint: {resumes}"

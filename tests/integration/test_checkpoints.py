@@ -1,19 +1,32 @@
 """Decode checkpoints, bad input, with real worker processes: a checkpoint whose version,
 chain or fingerprint does not match is refused and counted, and a resume whose checkpoint is
-refused or missing falls back to recomputation with the same tokens."""
+refused or missing falls back to recomputation with the same tokens; a good one is pulled over
+the KV transport and only the tokens after it are recomputed."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cluster_auth import signed_headers
+from cluster_auth import SECRET, signed_headers
 from worker_proc import WorkerHandle, launch_worker, wait_ready, worker_processes
 
+from pdserve.config import EngineConfig, ModelLoadConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.model.loader import load_model
 from pdserve.observability.exposition import parse
+from pdserve.transfer.sender import SendPolicy
+from pdserve.worker.checkpoint_protocol import CheckpointPut
+from pdserve.worker.checkpoint_sender import BlockSender, put_request_id
+from pdserve.worker.engine_loop import _info_of
+from pdserve.worker.kv_outbox import destination_of
+from pdserve.worker.protocol import Reservation
 
 GREEDY = {"max_tokens": 40, "temperature": 0.0, "ignore_eos": True}
 PROMPT = list(range(5, 75))  # 70 tokens: four full blocks of 16, and a part
@@ -47,9 +60,11 @@ def post(url: str, body: object) -> tuple[int, bytes]:
         return exc.code, exc.read()
 
 
-def generate(url: str, rid: str, output: list[int], **extra: object) -> list[int]:
+def generate(
+    url: str, rid: str, output: list[int], prompt: list[int] = PROMPT, **extra: object
+) -> list[int]:
     """The tokens a /generate stream returns after `output`."""
-    body = {"request_id": rid, "prompt_token_ids": PROMPT, "sampling": GREEDY,
+    body = {"request_id": rid, "prompt_token_ids": prompt, "sampling": GREEDY,
             "output_token_ids": output, **extra}  # fmt: skip
     status, raw = post(f"{url}/generate", body)
     assert status == 200, raw
@@ -122,3 +137,60 @@ def test_a_resume_whose_checkpoint_is_refused_or_missing_recomputes_the_same_tok
     assert after[recomputed] - before.get(recomputed, 0) == num_tokens + (num_tokens - 5 * 16)
     assert after["pdserve_worker_checkpoint_pulled_bytes_total"] == 0
     assert metrics(other.url)["pdserve_worker_checkpoint_refusals_total{reason=fingerprint}"] >= 1
+
+
+def test_a_resume_pulls_a_real_checkpoint_over_the_kv_transport(
+    trio: tuple[WorkerHandle, WorkerHandle, WorkerHandle], tiny_model_path: Path
+) -> None:
+    """The test decodes in process (the writer), puts the request's blocks at H exactly as a
+    decode worker's replica does, then resumes on D from H: D pulls over the KV transport,
+    recomputes only the tokens after the checkpoint and returns the same tokens."""
+    decode, holder, _ = trio
+    model = load_model(str(tiny_model_path))
+    writer = Engine(model, EngineConfig(model=ModelLoadConfig(path=str(tiny_model_path))))
+    params = SamplingParams(max_tokens=GREEDY["max_tokens"], temperature=0.0, ignore_eos=True)
+    prompt = list(range(300, 370))  # not in D's prefix cache yet
+    request = writer.add_request("w", prompt, params)
+    while len(request.output_token_ids) < 26:
+        writer.step()
+    sent = list(request.output_token_ids[:26])
+    tokens = [*prompt, *sent]  # 96 tokens
+    num_blocks = (len(tokens) - 1) // 16  # 5 blocks: 80 tokens; 16 left to recompute
+    blocks = writer.copy_blocks("w", 0, num_blocks)
+    info = _info_of(writer)
+    put = CheckpointPut(
+        owner="writer-1",
+        fingerprint_digest=info.fingerprint_digest,
+        parent_hash=0,
+        first_version=16,
+        block_tokens=[tokens[i * 16 : (i + 1) * 16] for i in range(num_blocks)],
+    )
+    status, raw = post(f"{holder.url}/checkpoint/put", put.model_dump(mode="json"))
+    assert status == 200, raw
+    reservation = Reservation.model_validate_json(raw)
+
+    async def send() -> int:
+        sender = BlockSender(info, SendPolicy(), SECRET.key("kv-hello"))
+        try:
+            destination = destination_of(reservation, None, local=("tcp",), explicit=True)
+            views = [memoryview(b) for b in blocks]
+            flat = tokens[: num_blocks * 16]
+            return await sender.send(destination, put_request_id("writer-1", 16), flat, views, 10)
+        finally:
+            await sender.aclose()
+
+    assert asyncio.run(send()) == num_blocks * info.block_bytes
+    before = metrics(decode.url)
+    source = {"holder_url": holder.url}
+    rest = generate(decode.url, "resume-pulled", sent, prompt, checkpoint_from=source)
+    reference = generate(decode.url, "reference-2", [], prompt)
+    assert rest == reference[26:]
+    after = metrics(decode.url)
+    key = "pdserve_worker_checkpoint_resumes_total{path=checkpoint,reason=ok}"
+    assert after[key] - before.get(key, 0) == 1
+    recomputed = "pdserve_worker_checkpoint_recomputed_tokens_total"
+    assert after[recomputed] - before.get(recomputed, 0) == len(tokens) - num_blocks * 16
+    pulled = "pdserve_worker_checkpoint_pulled_bytes_total"
+    assert after[pulled] - before.get(pulled, 0) == num_blocks * info.block_bytes
+    status, _ = post(f"{holder.url}/checkpoint/release", {"owner": "writer-1"})
+    assert status == 200 and metrics(holder.url)["pdserve_worker_checkpoint_held_blocks"] == 0
