@@ -140,7 +140,11 @@ class CheckpointStore:
             epoch=_PUT_EPOCH,
         )
         verified = asyncio.Event()
-        self._receiver.expect(IncomingTransfer(plan, pending.buffers, verified.set))
+        try:
+            self._receiver.expect(IncomingTransfer(plan, pending.buffers, verified.set))
+        except BaseException:
+            self.tier.abort(pending)
+            raise
         self._spawn(self._settle_put(transfer_id, pending, verified))
         return Reservation(
             request_id=plan.request_id or "",

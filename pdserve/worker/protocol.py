@@ -36,8 +36,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pdserve.checkpoint.policy import CheckpointPolicy
 from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.sampling_params import GrammarKind, GrammarSpec, SamplingParams
 
@@ -313,6 +314,12 @@ class CheckpointPlan(_Model):
     holder_url: str
     policy: str
     lease_ttl_s: float = Field(default=30.0, gt=0)
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        CheckpointPolicy.parse(value, "checkpoint.policy")  # ConfigError is a ValueError: 400
+        return value
 
 
 class CheckpointSource(_Model):
