@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import Sequence
 
 import pytest
+from pydantic import ValidationError
 
 from pdserve.checkpoint.host_tier import HostTier
 from pdserve.engine.block_manager import prefix_block_hashes
@@ -22,6 +23,7 @@ from pdserve.worker.checkpoint_store import CheckpointStore
 from pdserve.worker.engine_loop import EngineInfo
 from pdserve.worker.kv_outbox import Destination
 from pdserve.worker.protocol import (
+    CheckpointPlan,
     KVEndpoint,
     Reservation,
     Role,
@@ -244,3 +246,9 @@ def test_holder_failures_map_to_bounded_reasons() -> None:
     assert _reason(PeerCallError("h", 0, "", "refused")) == "holder_unreachable"
     assert _reason(PeerCallError("h", 409, "CheckpointRefused", "x")) == "refused"
     assert _reason(PeerCallError("h", 500, "EngineError", "x")) == "holder_error"
+
+
+def test_a_plan_with_an_unknown_policy_is_bad_input_naming_the_field() -> None:
+    with pytest.raises(ValidationError, match=r"checkpoint\.policy: 'every-0'"):
+        CheckpointPlan(holder_url="http://h", policy="every-0")
+    assert CheckpointPlan(holder_url="http://h", policy="every-3").policy == "every-3"
