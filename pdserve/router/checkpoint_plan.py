@@ -38,6 +38,12 @@ def plan(recovery: RecoveryConfig, holder: str | None) -> CheckpointPlan | None:
     )
 
 
+def resume_on(recovery: RecoveryConfig, holder: str | None) -> str | None:
+    """The worker a migration should try first: the request's holder (nearest cache first:
+    it resumes from its own tier, nothing travels); None: no preference."""
+    return holder if source(recovery, holder) is not None else None
+
+
 def source(recovery: RecoveryConfig, holder: str | None) -> CheckpointSource | None:
     """Where a resume finds the request's latest checkpoint (None: nowhere, or off). The
     holder may be the resuming worker itself: its own tier is the nearest copy."""

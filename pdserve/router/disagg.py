@@ -385,8 +385,8 @@ class DisaggFlow:
         request = run.request
         timeline = request.timeline
         candidates = [v.url for v in rank_decode(self._pool.snapshot(), exclude=run.failed_decode)]
-        if prefer is None and run.sent and checkpoint_plan.source(self._recovery, run.holder):
-            prefer = run.holder  # nearest cache first: resume where the checkpoint is
+        if prefer is None and run.sent:
+            prefer = checkpoint_plan.resume_on(self._recovery, run.holder)
         if prefer in candidates:
             candidates.remove(prefer)
             candidates.insert(0, prefer)

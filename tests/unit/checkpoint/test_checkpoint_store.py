@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from pdserve.checkpoint.host_tier import HostTier
 from pdserve.engine.block_manager import prefix_block_hashes
 from pdserve.errors import CheckpointRefused, PeerCallError
-from pdserve.router.checkpoint_plan import choose_holder, plan, source
+from pdserve.router.checkpoint_plan import choose_holder, plan, resume_on, source
 from pdserve.router.config import RecoveryConfig
 from pdserve.router.policy import WorkerView
 from pdserve.transfer.receiver import IncomingTransfer
@@ -240,6 +240,8 @@ def test_the_holder_is_another_decode_worker_and_a_migration_keeps_it() -> None:
     p = plan(on, "d2")
     assert p is not None and (p.holder_url, p.policy) == ("d2", "every-2")
     assert plan(on, None) is None
+    assert resume_on(on, "d2") == "d2" and resume_on(off, "d2") is None
+    assert resume_on(on, None) is None
 
 
 def test_holder_failures_map_to_bounded_reasons() -> None:

@@ -1,7 +1,7 @@
 """The router's half of decode checkpoints: each decode leg names a holder (another decode
 worker, never itself, the least loaded), a migration tells the resuming worker where the
 checkpoint is and names a new holder for its own leg; with checkpoints off nothing of it is
-sent. (Which worker a migration prefers is `checkpoint_plan`'s, unit-tested there.)"""
+sent. (A migration tries the holder first: `checkpoint_plan.resume_on`, unit-tested.)"""
 
 from __future__ import annotations
 
