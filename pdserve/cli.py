@@ -182,7 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default=None, help="Hugging Face model folder (default: tiny built-in)"
     )
     c.add_argument("--requests", type=_positive_int, default=6, help="concurrent requests")
-    c.add_argument("--max-tokens", type=_positive_int, default=24)
+    c.add_argument(
+        "--max-tokens",
+        type=_positive_int,
+        default=None,
+        help="tokens per request (default 24; 64 with --checkpoint-costs)",
+    )
     c.add_argument("--workdir", type=Path, default=None, help="logs here (default: a temp dir)")
     c.add_argument(
         "--no-latency-bound",
@@ -370,7 +375,7 @@ def _cmd_chaos(args: argparse.Namespace) -> int:
         return run_costs(
             CostConfig(
                 contexts=args.contexts,
-                max_tokens=args.max_tokens if args.max_tokens != 24 else 64,
+                max_tokens=args.max_tokens or 64,
                 model=args.model,
                 json_path=args.json,
                 workdir=args.workdir,
@@ -381,7 +386,7 @@ def _cmd_chaos(args: argparse.Namespace) -> int:
         scenarios=find_scenarios(args.scenario),
         model=args.model,
         num_requests=args.requests,
-        max_tokens=args.max_tokens,
+        max_tokens=args.max_tokens or 24,
         json_path=args.json,
         workdir=args.workdir,
         strict_latency=not args.no_latency_bound,
