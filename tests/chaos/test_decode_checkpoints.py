@@ -24,8 +24,10 @@ from worker_proc import WorkerHandle, launch_worker, router_process, wait_ready,
 from pdserve.observability.exposition import parse
 
 BLOCK_SIZE = 16
-# Longer than the router takes to drain a paused worker (poll 1 s + timeout 2 s + deadline).
-CHECKPOINT_TTL_S = 8.0
+# A killed worker's checkpoint lapses after this; a paused one's must outlive the router's
+# drain (poll 1 s + timeout 2 s + deadline), so the pause case uses the longer one.
+CHECKPOINT_TTL_S = 3.0
+PAUSE_CHECKPOINT_TTL_S = 8.0
 HEALTH_DEADLINE_S = 1.0
 # A prompt of a few blocks, then a long generation: the kill comes mid-decode.
 PROMPT = "Once upon a time " * 12
@@ -33,7 +35,7 @@ BODY = {"model": "tiny-v1", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": T
 
 
 def _cluster(
-    tiny_model_path: Path, tmp_path: Path, num_decode: int
+    tiny_model_path: Path, tmp_path: Path, num_decode: int, ttl_s: float = CHECKPOINT_TTL_S
 ) -> Iterator[tuple[str, list[WorkerHandle]]]:
     with worker_processes() as handles:
         handles.append(launch_worker("prefill", tmp_path, model=tiny_model_path))
@@ -43,7 +45,7 @@ def _cluster(
             wait_ready(handle)
         router_args = (
             "--checkpoint", "every-1",
-            "--checkpoint-lease-ttl-s", str(CHECKPOINT_TTL_S),
+            "--checkpoint-lease-ttl-s", str(ttl_s),
             "--health-deadline-s", str(HEALTH_DEADLINE_S),
             "--lease-ttl-s", "3",
         )  # fmt: skip
@@ -60,6 +62,14 @@ def _cluster(
 def cluster(tiny_model_path: Path, tmp_path: Path) -> Iterator[tuple[str, list[WorkerHandle]]]:
     """A router with checkpoints every block over one prefill and two decode workers."""
     yield from _cluster(tiny_model_path, tmp_path, 2)
+
+
+@pytest.fixture
+def paused_cluster(
+    tiny_model_path: Path, tmp_path: Path
+) -> Iterator[tuple[str, list[WorkerHandle]]]:
+    """Two decode workers, checkpoints that outlive the router's drain of a paused one."""
+    yield from _cluster(tiny_model_path, tmp_path, 2, PAUSE_CHECKPOINT_TTL_S)
 
 
 @pytest.fixture
@@ -94,6 +104,7 @@ def after_a_checkpoint(victim: WorkerHandle, signum: int) -> None:
     deadline = time.monotonic() + 5
     while metrics(victim.url).get(name, 0) == before:
         assert time.monotonic() < deadline, "no checkpoint put in 5 s"
+        time.sleep(0.002)
     os.kill(victim.pid, signum)
 
 
@@ -163,9 +174,9 @@ def test_killed_decoder_resumes_from_its_checkpoint(
 
 
 def test_paused_decoder_resumes_from_its_checkpoint(
-    cluster: tuple[str, list[WorkerHandle]],
+    paused_cluster: tuple[str, list[WorkerHandle]],
 ) -> None:
-    url, handles = cluster
+    url, handles = paused_cluster
     decodes = [h for h in handles if h.role == "decode"]
     body = {**BODY, "temperature": 0.9, "seed": 11}
     reference, _ = stream_tokens(url, body)
@@ -184,9 +195,9 @@ def test_paused_decoder_resumes_from_its_checkpoint(
     recomputed = resumed_from_checkpoint(handles, paused[0])
     assert recomputed <= BLOCK_SIZE, f"{recomputed} tokens recomputed"
     # Past every lease TTL, then woken: it must free what it held, and hold nothing anywhere.
-    time.sleep(CHECKPOINT_TTL_S + 1)
+    time.sleep(PAUSE_CHECKPOINT_TTL_S + 1)
     os.kill(paused[0].pid, signal.SIGCONT)
-    wait_clean(handles, CHECKPOINT_TTL_S + 3)
+    wait_clean(handles, PAUSE_CHECKPOINT_TTL_S + 3)
 
 
 def test_holder_death_never_fails_the_request(
