@@ -105,6 +105,8 @@ class TurnResult:
     kv_bytes: int
     # New tokens of this turn (previous output + user message; the whole prompt at turn 1).
     num_new_tokens: int
+    # Each chat's TTFT this turn (empty: not recorded).
+    ttft_ms: list[float] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -129,7 +131,14 @@ class RoutingResult:
         return sum(t.num_prompt_tokens - t.num_prefilled_tokens for t in self.turns[1:])
 
     def ttft_ms_from(self, turn: int) -> float:
+        """Mean of the per-turn mean TTFTs from `turn` on."""
         return statistics.fmean(t.ttft_ms_mean for t in self.turns if t.turn >= turn)
+
+    def ttft_ms_p50_from(self, turn: int) -> float:
+        """Median TTFT of every request from `turn` on (per-turn means if none recorded)."""
+        later = [t for t in self.turns if t.turn >= turn]
+        each = [ms for t in later for ms in t.ttft_ms] or [t.ttft_ms_mean for t in later]
+        return statistics.median(each)
 
 
 def _scrape(urls: list[str]) -> dict[str, float]:
@@ -253,6 +262,7 @@ async def _run_turn(
             num_seen_tokens=sum(chats.seen),
             kv_bytes=grew("kv_received_bytes_total"),
             num_new_tokens=sum(chats.new),
+            ttft_ms=ttfts,
         )
     )
     bs = config.block_size
@@ -350,19 +360,27 @@ def render_table(results: list[RoutingResult]) -> str:
 
 def two_router_comparison(results: list[RoutingResult]) -> dict[str, float]:
     """`affinity-2routers` against one-router `affinity`: the ratios of their prefix hit rates
-    and of their TTFT gains over round-robin (1.0: the same; the target is within 10 %)."""
+    and of their TTFT gains over round-robin (1.0: the same; the target is within 10 %).
+
+    The gains use the median TTFT of every request from turn 4 on: the routings' tokens
+    prefilled and bytes moved are equal turn by turn, and on a shared machine one slow turn
+    moves a mean of per-turn means by a third (measured), a median of 24+ requests far less."""
     by_name = {r.routing: r for r in results}
     one, two = by_name.get("affinity"), by_name.get("affinity-2routers")
     base = by_name.get("round_robin")
     if one is None or two is None or base is None or not one.hit_rate:
         return {}
-    gain_one = base.ttft_ms_from(4) / one.ttft_ms_from(4)
-    gain_two = base.ttft_ms_from(4) / two.ttft_ms_from(4)
+    gain_one = base.ttft_ms_p50_from(4) / one.ttft_ms_p50_from(4)
+    gain_two = base.ttft_ms_p50_from(4) / two.ttft_ms_p50_from(4)
     hit = two.hit_rate / one.hit_rate
     ttft = gain_two / gain_one
     return {
         "two_router_hit_rate_ratio": hit,
         "two_router_ttft_gain_ratio": ttft,
+        "two_router_ttft_gain_ratio_of_means": (
+            (base.ttft_ms_from(4) / two.ttft_ms_from(4))
+            / (base.ttft_ms_from(4) / one.ttft_ms_from(4))
+        ),
         "two_router_within_10pct": float(abs(hit - 1) <= 0.1 and abs(ttft - 1) <= 0.1),
     }
 
@@ -390,7 +408,8 @@ def run_multiturn_bench(args: argparse.Namespace) -> int:
     for r in results:
         print(
             f"{r.routing:<18} prefix hit rate {r.hit_rate:.3f} (per computed token"
-            f" {r.token_hit_rate:.3f})   TTFT turns>=4 {r.ttft_ms_from(4):.1f} ms"
+            f" {r.token_hit_rate:.3f})   TTFT turns>=4 mean {r.ttft_ms_from(4):.1f} ms,"
+            f" p50 {r.ttft_ms_p50_from(4):.1f} ms"
         )
     base = by_name.get("round_robin")
     summary: dict[str, float] = {}
@@ -406,7 +425,8 @@ def run_multiturn_bench(args: argparse.Namespace) -> int:
         summary |= two
         print(
             f"two routers vs one: hit rate x{two['two_router_hit_rate_ratio']:.3f}, TTFT gain"
-            f" over round_robin x{two['two_router_ttft_gain_ratio']:.3f}"
+            f" over round_robin x{two['two_router_ttft_gain_ratio']:.3f} (p50; of means"
+            f" x{two['two_router_ttft_gain_ratio_of_means']:.3f})"
             f" ({'within' if two['two_router_within_10pct'] else 'NOT within'} 10 %)"
         )
     if args.json is not None:
@@ -418,6 +438,7 @@ def run_multiturn_bench(args: argparse.Namespace) -> int:
                     "hit_rate": r.hit_rate,
                     "token_hit_rate": r.token_hit_rate,
                     "ttft_ms_turns_ge_4": r.ttft_ms_from(4),
+                    "ttft_ms_p50_turns_ge_4": r.ttft_ms_p50_from(4),
                 }
                 for r in results
             ],

@@ -68,3 +68,26 @@ def test_two_routers_are_compared_with_one_by_hit_rate_and_ttft_gain() -> None:
     far = two_router_comparison([base, one, result("affinity-2routers", 30.0, 148)])
     assert far["two_router_hit_rate_ratio"] == 0.0 and far["two_router_within_10pct"] == 0.0
     assert two_router_comparison([base, one]) == {}
+
+
+def test_the_ttft_gain_uses_the_median_request_so_one_slow_turn_does_not_swing_it() -> None:
+    def result(name: str, per_turn: list[list[float]]) -> RoutingResult:
+        turns = [turn(1, 50.0, 100, 100, 0, 0)]
+        for n, ttfts in enumerate(per_turn, start=2):
+            t = turn(n, sum(ttfts) / len(ttfts), 148, 52, 96, 115)
+            t.ttft_ms = ttfts
+            turns.append(t)
+        return RoutingResult(name, turns)
+
+    base = result("round_robin", [[40.0] * 4] * 4)
+    one = result("affinity", [[10.0] * 4] * 4)
+    # Same typical request; one request of turn 4 stalled (a core taken by another job).
+    two = result(
+        "affinity-2routers", [[10.0] * 4, [10.0] * 4, [10.0, 10.0, 10.0, 130.0], [10.0] * 4]
+    )
+    assert two.ttft_ms_from(4) == pytest.approx(25.0)  # (40 + 10) / 2: 2.5x the typical
+    assert two.ttft_ms_p50_from(4) == 10.0
+    summary = two_router_comparison([base, one, two])
+    assert summary["two_router_ttft_gain_ratio"] == pytest.approx(1.0)
+    assert summary["two_router_ttft_gain_ratio_of_means"] == pytest.approx(0.4)
+    assert summary["two_router_within_10pct"] == 1.0
