@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pdserve.checkpoint.policy import CheckpointPolicy
 from pdserve.engine.block_manager import hash_block_tokens
 from pdserve.engine.engine import RequestDelta
-from pdserve.errors import PdserveError
+from pdserve.errors import PdserveError, RequestNotFound
 from pdserve.worker.checkpoint_protocol import (
     CheckpointOwner,
     CheckpointPut,
@@ -117,6 +117,10 @@ class Replica:
                     await self._put(batch)
         except asyncio.CancelledError:
             raise
+        except RequestNotFound:
+            # The request ended (its blocks are gone) before the copy: nothing left to send.
+            self.stopped = True
+            self._renewer.cancel()
         except PdserveError as exc:
             self._fail(exc)
         except Exception as exc:  # never let a checkpoint bug touch the request
