@@ -65,7 +65,7 @@ class Pull:
 
     path: Path
     # Why (a bounded label): "ok" (pulled), "own_tier" (this worker held it: copied in
-    # process, no transfer), "none_held", "holder_unreachable", "refused_<reason>",
+    # process, no transfer), "none_held", "no_prefix_cache", "holder_unreachable", "refused_<reason>",
     # "no_room", "transfer_failed".
     reason: str
     num_blocks: int = 0
@@ -112,7 +112,11 @@ class CheckpointPuller:
         bs = info.block_size
         # One token is always left to compute: the step that computes it samples the next.
         usable = max(len(token_ids) - 1, 0) // bs
-        local = await self._engine.call(lambda e: e.num_cached_prefix_blocks(token_ids))
+        local, caching = await self._engine.call(
+            lambda e: (e.num_cached_prefix_blocks(token_ids), e.config.enable_prefix_caching)
+        )
+        if not caching:  # pulled blocks would never be found: do not pull them
+            return Pull(Path.RECOMPUTE, "no_prefix_cache")
         lookup = CheckpointLookup(
             token_ids=token_ids[: usable * bs], fingerprint_digest=info.fingerprint_digest
         )
