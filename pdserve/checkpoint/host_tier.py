@@ -42,6 +42,9 @@ class _Entry:
     fingerprint: str
     checksum: int
     owners: set[str] = field(default_factory=set)
+    # The writer's value digest of this block's last position (`engine/canary.py`; only the
+    # last block of a put carries one): b"" when none.
+    value_digest: bytes = b""
 
 
 @dataclass(slots=True)
@@ -147,8 +150,9 @@ class HostTier:
         buffers = tuple(memoryview(bytearray(self.block_bytes)) for _ in keys)
         return HostPut(owner, fingerprint, tuple(keys), buffers, num_bytes)
 
-    def commit(self, pending: HostPut) -> int:
-        """The bytes arrived verified: hold them; returns blocks now held for the owner."""
+    def commit(self, pending: HostPut, value_digest: bytes = b"") -> int:
+        """The bytes arrived verified: hold them (the value digest, if any, on the last
+        block); returns blocks now held for the owner."""
         if pending.done:
             return self.owned(pending.owner)
         pending.done = True
@@ -164,6 +168,9 @@ class HostTier:
                 self.used_bytes += len(data)
             entry.owners.add(pending.owner)
             owned.add(key.block_hash)
+        last = self._entries.get(pending.keys[-1].block_hash)
+        if last is not None and value_digest:
+            last.value_digest = value_digest
         self.num_blocks_put += len(pending.keys)
         return len(owned)
 
@@ -222,6 +229,11 @@ class HostTier:
             views.append(memoryview(entry.data).toreadonly())
         self.num_blocks_read += len(views)
         return views
+
+    def value_digest(self, block_hash: int) -> bytes:
+        """The value digest held with a block (b"": none, or not held)."""
+        entry = self._entries.get(block_hash)
+        return b"" if entry is None else entry.value_digest
 
     def adopt(self, owner: str, block_hashes: Sequence[int]) -> int:
         """`owner` holds the held blocks of `block_hashes` too (a resumed request takes its

@@ -287,6 +287,11 @@ class Engine:
             raise RequestNotFound(f"request {request_id}: blocks {start}..{end} not held")
         return [bytes(v) for v in self.kv_cache.block_views(ids)]
 
+    def position_logits(self, block_ids: list[int], token_id: int, position: int) -> torch.Tensor:
+        """Logits of `token_id` at `position` over the KV of `block_ids` (a checkpoint's
+        value canary; the position's own K/V go to the scratch block)."""
+        return self.runner.position_logits(block_ids, token_id, position)
+
     def num_cached_prefix_blocks(self, token_ids: list[int]) -> int:
         """Leading full blocks of `token_ids` whose KV the prefix cache holds (no counters)."""
         n = 0

@@ -473,6 +473,13 @@ WORKER_CHECKPOINT_REFUSALS = _spec(
     *_W,
     "reason",
 )
+WORKER_CHECKPOINT_CANARY = _spec(
+    "pdserve_worker_checkpoint_canary_total",
+    "counter",
+    "Value checks of pulled checkpoints by result (exact, tolerance, mismatch, missing)",
+    *_W,
+    "result",
+)
 WORKER_CHECKPOINT_LEASE_EXPIRIES = _spec(
     "pdserve_worker_checkpoint_lease_expiries_total",
     "counter",

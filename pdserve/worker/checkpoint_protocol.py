@@ -65,6 +65,8 @@ class CheckpointLookup(_Model):
 
     token_ids: list[int]
     fingerprint_digest: str
+    # Only a prefix whose last block carries the writer's value digest (the canary).
+    require_value_digest: bool = False
 
 
 class CheckpointFound(_Model):

@@ -30,10 +30,13 @@ import asyncio
 import enum
 import os
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.errors import CheckpointRefused, PdserveError, PeerCallError
+from pdserve.engine.canary import CanaryMatch, ValueDigest, compare
+from pdserve.engine.engine import Engine
+from pdserve.errors import CheckpointRefused, PdserveError, PeerCallError, ProtocolError
 from pdserve.transfer.messages import token_digest
 from pdserve.transfer.receiver import IncomingTransfer, KVReceiver
 from pdserve.transfer.receiver_session import ReceivePlan
@@ -65,7 +68,8 @@ class Pull:
 
     path: Path
     # Why (a bounded label): "ok" (pulled), "own_tier" (this worker held it: copied in
-    # process, no transfer), "none_held", "no_prefix_cache", "holder_unreachable", "refused_<reason>",
+    # process, no transfer), "none_held", "no_prefix_cache", "canary" (the value check
+    # failed or had no digest), "holder_unreachable", "refused_<reason>",
     # "no_room", "transfer_failed".
     reason: str
     num_blocks: int = 0
@@ -86,6 +90,8 @@ class CheckpointPuller:
         reservation_key: bytes | None,
         *,
         store: CheckpointStore | None = None,
+        canary: bool = True,
+        canary_counts: Counter[str] | None = None,
         timeout_s: float = 10.0,
     ) -> None:
         self._engine = engine
@@ -97,6 +103,11 @@ class CheckpointPuller:
         self._timeout_s = timeout_s
         # This worker's own holder: a checkpoint held here is copied in process.
         self._store = store
+        # Check pulled blocks by value (`--kv-canary`); results counted with the handoffs'.
+        self._canary = canary
+        self._canary_counts: Counter[str] = (
+            canary_counts if canary_counts is not None else Counter()
+        )
 
     async def pull(
         self,
@@ -118,7 +129,9 @@ class CheckpointPuller:
         if not caching:  # pulled blocks would never be found: do not pull them
             return Pull(Path.RECOMPUTE, "no_prefix_cache")
         lookup = CheckpointLookup(
-            token_ids=token_ids[: usable * bs], fingerprint_digest=info.fingerprint_digest
+            token_ids=token_ids[: usable * bs],
+            fingerprint_digest=info.fingerprint_digest,
+            require_value_digest=self._canary,
         )
         try:
             found = await self._peers.post(
@@ -149,8 +162,9 @@ class CheckpointPuller:
             epoch=_PULL_EPOCH,
         )
         ok = False
+        incoming = IncomingTransfer(plan, views, verified.set)
         try:
-            self._receiver.expect(IncomingTransfer(plan, views, verified.set))
+            self._receiver.expect(incoming)
             reservation = Reservation(
                 request_id=import_id,
                 transfer_id=transfer_id.hex(),
@@ -183,6 +197,9 @@ class CheckpointPuller:
                 return Pull(Path.RECOMPUTE, _reason(exc))
             except TimeoutError:
                 return Pull(Path.RECOMPUTE, "transfer_failed")
+            digest = incoming.session.value_digest if incoming.session is not None else b""
+            if not await self._value_ok(import_id, prefix, digest):
+                return Pull(Path.RECOMPUTE, "canary")
             ok = True
             return Pull(Path.CHECKPOINT, "ok", num_blocks, sent.num_bytes, time.monotonic() - start)
         finally:
@@ -206,12 +223,14 @@ class CheckpointPuller:
         try:
             digest = self._info.fingerprint_digest
             try:
-                blocks = self._store.read_local(prefix, digest, adopt_owner, lease_ttl_s)
+                blocks, value = self._store.read_local(prefix, digest, adopt_owner, lease_ttl_s)
             except CheckpointRefused:
                 return Pull(Path.RECOMPUTE, "refused")
             # The import's blocks belong to no running request: nothing else touches them.
             for view, block in zip(views, blocks, strict=True):
                 view[:] = block
+            if not await self._value_ok(import_id, prefix, value):
+                return Pull(Path.RECOMPUTE, "canary")
             ok = True
             num_bytes = sum(b.nbytes for b in blocks)
             elapsed = time.monotonic() - start
@@ -219,6 +238,30 @@ class CheckpointPuller:
         finally:
             keep = prefix if ok else None
             await self._engine.call(lambda e: e.import_end(import_id, keep))
+
+    async def _value_ok(self, import_id: str, prefix: list[int], digest: bytes) -> bool:
+        """The canary (invariant 8) on imported blocks: the last position's logits recomputed
+        from them must match the writer's digest. True when off; False when it is on and the
+        digest is missing, unreadable or differs (counted in the canary's results)."""
+        if not self._canary:
+            return True
+        counts = self._canary_counts
+        try:
+            want = ValueDigest.decode(digest) if digest else None
+        except ProtocolError:
+            want = None
+        if want is None:
+            counts["missing" if not digest else CanaryMatch.MISMATCH.value] += 1
+            return False
+        position, token, dtype = len(prefix) - 1, prefix[-1], self._info.dtype
+
+        def check(engine: Engine) -> CanaryMatch:
+            logits = engine.position_logits(engine.block_ids(import_id), token, position)
+            return compare(want, logits, position, dtype).match
+
+        match = await self._engine.call(check)
+        counts[match.value] += 1
+        return match is not CanaryMatch.MISMATCH
 
 
 def _reason(exc: PdserveError) -> str:

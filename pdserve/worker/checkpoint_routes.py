@@ -73,7 +73,10 @@ class CheckpointService:
         self.store = CheckpointStore(
             tier, info, inbox.receiver, lambda: inbox.endpoints, self.sender
         )
-        self.streams = CheckpointStreams(engine, info, self.peers, self.sender, local)
+        self.streams = CheckpointStreams(
+            engine, info, self.peers, self.sender, local, canary=config.kv_canary
+        )
+        self.canary_counts: Counter[str] = Counter()
         self.puller = CheckpointPuller(
             engine,
             info,
@@ -82,6 +85,8 @@ class CheckpointService:
             lambda: inbox.endpoints,
             config.reservation_key,
             store=self.store,
+            canary=config.kv_canary,
+            canary_counts=self.canary_counts,
         )
         # Resumes by (path, reason); tokens they had to restore and recomputed; bytes pulled.
         self.resumes: Counter[tuple[str, str]] = Counter()
@@ -212,6 +217,10 @@ class CheckpointService:
         lines += render_family(
             m.WORKER_CHECKPOINT_STREAM_FAILURES,
             [({**w, "error": e}, n) for e, n in sorted(counters.failures.items())],
+        )
+        lines += render_family(
+            m.WORKER_CHECKPOINT_CANARY,
+            [({**w, "result": r}, n) for r, n in sorted(self.canary_counts.items())],
         )
         lines += render_family(
             m.WORKER_CHECKPOINT_REFUSALS,

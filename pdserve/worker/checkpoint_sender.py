@@ -65,6 +65,7 @@ class BlockSender:
         token_ids: Sequence[int],
         blocks: Sequence[memoryview],
         timeout_s: float,
+        value_digest: bytes = b"",
     ) -> int:
         """Send `blocks` (the KV of `token_ids`' blocks) until acknowledged; returns bytes.
         Raises the transfer's typed error when it cannot be delivered in `timeout_s`."""
@@ -80,6 +81,7 @@ class BlockSender:
             destination.capability_token,
             blocks,
             epoch=destination.epoch,
+            value_digest=value_digest,
         )
         session = SenderSession(destination.transfer_id, info.fingerprint, cluster_key=self._key)
         pool, transport, address = self.pool, destination.transport, destination.address

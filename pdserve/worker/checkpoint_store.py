@@ -140,12 +140,13 @@ class CheckpointStore:
             epoch=_PUT_EPOCH,
         )
         verified = asyncio.Event()
+        incoming = IncomingTransfer(plan, pending.buffers, verified.set)
         try:
-            self._receiver.expect(IncomingTransfer(plan, pending.buffers, verified.set))
+            self._receiver.expect(incoming)
         except BaseException:
             self.tier.abort(pending)
             raise
-        self._spawn(self._settle_put(transfer_id, pending, verified))
+        self._spawn(self._settle_put(incoming, pending, verified))
         return Reservation(
             request_id=plan.request_id or "",
             transfer_id=transfer_id.hex(),
@@ -157,7 +158,7 @@ class CheckpointStore:
         )
 
     async def _settle_put(
-        self, transfer_id: bytes, pending: HostPut, verified: asyncio.Event
+        self, incoming: IncomingTransfer, pending: HostPut, verified: asyncio.Event
     ) -> None:
         """Commit the put once verified, or give its room back after the timeout; either way
         its writer is fenced first."""
@@ -169,9 +170,11 @@ class CheckpointStore:
         except TimeoutError:
             pass
         finally:
-            await asyncio.shield(self._receiver.fence(transfer_id))
+            await asyncio.shield(self._receiver.fence(incoming.plan.transfer_id))
             if ok and pending.owner in self._leases:
-                self.tier.commit(pending)
+                # The writer's value digest of the put's last position came in its Commit.
+                session = incoming.session
+                self.tier.commit(pending, session.value_digest if session is not None else b"")
             else:
                 # Timed out, or the owner was released (request ended) while bytes flew.
                 self.tier.abort(pending)
@@ -211,9 +214,13 @@ class CheckpointStore:
         """The longest held prefix of the tokens' full blocks."""
         self._check_fingerprint(body.fingerprint_digest, "checkpoint lookup")
         hashes = prefix_block_hashes(body.token_ids, self._info.block_size)
-        hit = self.tier.longest_prefix(hashes, body.fingerprint_digest)
+        n = self.tier.longest_prefix(hashes, body.fingerprint_digest).num_blocks
+        if body.require_value_digest:
+            # A prefix the reader can check by value: it ends with a block that has a digest.
+            while n and not self.tier.value_digest(hashes[n - 1]):
+                n -= 1
         return CheckpointFound(
-            num_blocks=hit.num_blocks, version=hit.version, holder_id=self.holder_id
+            num_blocks=n, version=n * self._info.block_size, holder_id=self.holder_id
         )
 
     def read_local(
@@ -222,16 +229,17 @@ class CheckpointStore:
         fingerprint: str,
         adopt_owner: str | None,
         lease_ttl_s: float,
-    ) -> list[memoryview]:
-        """The held blocks of `token_ids` (whole blocks, each checked) for a request resuming
-        on this worker: no transfer. CheckpointRefused names a missing or bad block."""
+    ) -> tuple[list[memoryview], bytes]:
+        """The held blocks of `token_ids` (whole blocks, each checked) and the value digest of
+        the last, for a request resuming on this worker: no transfer. CheckpointRefused names
+        a missing or bad block."""
         hashes = prefix_block_hashes(token_ids, self._info.block_size)
         blocks = self.tier.read(hashes, fingerprint)
         if adopt_owner is not None:
             self._lease(adopt_owner, lease_ttl_s)
             self.tier.adopt(adopt_owner, hashes)
         self.num_blocks_sent += len(blocks)
-        return blocks
+        return blocks, self.tier.value_digest(hashes[-1])
 
     async def send(self, body: CheckpointSend, destination: Destination) -> CheckpointSent:
         """Send the blocks of `body.token_ids` (whole blocks, each checked here first) to the
@@ -259,6 +267,7 @@ class CheckpointStore:
                 body.token_ids,
                 blocks,
                 self._put_timeout_s,
+                value_digest=self.tier.value_digest(hashes[-1]),
             )
         except PdserveError as exc:
             self.send_failures[type(exc).__name__] += 1

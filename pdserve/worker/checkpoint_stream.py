@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 
 from pdserve.checkpoint.policy import CheckpointPolicy
 from pdserve.engine.block_manager import hash_block_tokens
-from pdserve.engine.engine import RequestDelta
+from pdserve.engine.canary import ValueDigest
+from pdserve.engine.engine import Engine, RequestDelta
 from pdserve.errors import PdserveError, RequestNotFound
 from pdserve.worker.checkpoint_protocol import (
     CheckpointOwner,
@@ -131,7 +132,8 @@ class Replica:
         s = self._streams
         bs = s.info.block_size
         start, end = batch.start, batch.stop
-        blocks = await s.engine.call(lambda e: e.copy_blocks(self.owner, start, end))
+        snapshot = _snapshot(self.owner, start, end, self.token_ids[end * bs - 1], bs, s.canary)
+        blocks, value_digest = await s.engine.call(snapshot)
         block_tokens = [self.token_ids[i * bs : (i + 1) * bs] for i in range(start, end)]
         body = CheckpointPut(
             owner=self.owner,
@@ -150,6 +152,7 @@ class Replica:
             tokens,
             [memoryview(b) for b in blocks],
             s.send_timeout_s,
+            value_digest=value_digest,
         )
         for block in block_tokens:
             self._parent_hash = hash_block_tokens(self._parent_hash, block)
@@ -195,6 +198,23 @@ class Replica:
             )
 
 
+def _snapshot(
+    owner: str, start: int, end: int, last_token: int, block_size: int, canary: bool
+) -> Callable[[Engine], tuple[list[bytes], bytes]]:
+    """An engine command: copies of the blocks [start, end) and, with the canary, the value
+    digest of their last position recomputed from this KV (the reader checks it by value)."""
+
+    def snapshot(engine: Engine) -> tuple[list[bytes], bytes]:
+        blocks = engine.copy_blocks(owner, start, end)
+        if not canary:
+            return blocks, b""
+        position = end * block_size - 1
+        logits = engine.position_logits(engine.block_ids(owner), last_token, position)
+        return blocks, ValueDigest.of_logits(logits, position).encode()
+
+    return snapshot
+
+
 def on_tokens(
     replica: Replica | None, first: Callable[[RequestDelta], None] | None
 ) -> Callable[[RequestDelta], None]:
@@ -225,6 +245,7 @@ class CheckpointStreams:
         sender: BlockSender,
         local: Sequence[Transport],
         send_timeout_s: float = 10.0,
+        canary: bool = True,
     ) -> None:
         self.engine = engine
         self.info = info
@@ -232,6 +253,8 @@ class CheckpointStreams:
         self.sender = sender
         self.local = tuple(local)
         self.send_timeout_s = send_timeout_s
+        # Send the value digest of each put's last position (`--kv-canary`).
+        self.canary = canary
         self.counters = StreamCounters()
 
     def open(

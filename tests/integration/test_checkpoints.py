@@ -1,7 +1,8 @@
 """Decode checkpoints, bad input, with real worker processes: a checkpoint whose version,
 chain or fingerprint does not match is refused and counted, and a resume whose checkpoint is
-refused or missing falls back to recomputation with the same tokens; a good one is pulled over
-the KV transport and only the tokens after it are recomputed."""
+refused, missing or wrong by value (the canary) falls back to recomputation with the same
+tokens; a good one is pulled over the KV transport and only the tokens after it are
+recomputed."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from cluster_auth import SECRET, signed_headers
 from worker_proc import WorkerHandle, launch_worker, wait_ready, worker_processes
 
 from pdserve.config import EngineConfig, ModelLoadConfig
+from pdserve.engine.canary import ValueDigest
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.loader import load_model
@@ -139,27 +141,30 @@ def test_a_resume_whose_checkpoint_is_refused_or_missing_recomputes_the_same_tok
     assert metrics(other.url)["pdserve_worker_checkpoint_refusals_total{reason=fingerprint}"] >= 1
 
 
-def test_a_resume_pulls_a_real_checkpoint_over_the_kv_transport(
-    trio: tuple[WorkerHandle, WorkerHandle, WorkerHandle], tiny_model_path: Path
-) -> None:
-    """The test decodes in process (the writer), puts the request's blocks at H exactly as a
-    decode worker's replica does, then resumes on D from H: D pulls over the KV transport,
-    recomputes only the tokens after the checkpoint and returns the same tokens."""
-    decode, holder, _ = trio
-    model = load_model(str(tiny_model_path))
-    writer = Engine(model, EngineConfig(model=ModelLoadConfig(path=str(tiny_model_path))))
+def put_checkpoint(
+    holder: WorkerHandle, model_path: Path, prompt: list[int], owner: str, damage: bool = False
+) -> tuple[list[int], int, int]:
+    """Decode `prompt` in process (the writer) for 26 tokens and put its full blocks at the
+    holder exactly as a decode worker's replica does: bytes over the KV transport, the value
+    digest of the last position in the Commit. `damage`: the bytes sent are another
+    request's (checksums fine, values wrong). Returns (sent tokens, blocks, block bytes)."""
+    model = load_model(str(model_path))
+    writer = Engine(model, EngineConfig(model=ModelLoadConfig(path=str(model_path))))
     params = SamplingParams(max_tokens=GREEDY["max_tokens"], temperature=0.0, ignore_eos=True)
-    prompt = list(range(300, 370))  # not in D's prefix cache yet
     request = writer.add_request("w", prompt, params)
+    writer.add_request("other", [p + 1 for p in prompt], params)
     while len(request.output_token_ids) < 26:
         writer.step()
     sent = list(request.output_token_ids[:26])
     tokens = [*prompt, *sent]  # 96 tokens
     num_blocks = (len(tokens) - 1) // 16  # 5 blocks: 80 tokens; 16 left to recompute
-    blocks = writer.copy_blocks("w", 0, num_blocks)
+    blocks = writer.copy_blocks("other" if damage else "w", 0, num_blocks)
+    position = num_blocks * 16 - 1
+    logits = writer.position_logits(writer.block_ids("w"), tokens[position], position)
+    digest = ValueDigest.of_logits(logits, position).encode()
     info = _info_of(writer)
     put = CheckpointPut(
-        owner="writer-1",
+        owner=owner,
         fingerprint_digest=info.fingerprint_digest,
         parent_hash=0,
         first_version=16,
@@ -175,11 +180,23 @@ def test_a_resume_pulls_a_real_checkpoint_over_the_kv_transport(
             destination = destination_of(reservation, None, local=("tcp",), explicit=True)
             views = [memoryview(b) for b in blocks]
             flat = tokens[: num_blocks * 16]
-            return await sender.send(destination, put_request_id("writer-1", 16), flat, views, 10)
+            request_id = put_request_id(owner, 16)
+            return await sender.send(destination, request_id, flat, views, 10, digest)
         finally:
             await sender.aclose()
 
     assert asyncio.run(send()) == num_blocks * info.block_bytes
+    return sent, num_blocks, info.block_bytes
+
+
+def test_a_resume_pulls_a_real_checkpoint_over_the_kv_transport(
+    trio: tuple[WorkerHandle, WorkerHandle, WorkerHandle], tiny_model_path: Path
+) -> None:
+    """D resumes from H: it pulls over the KV transport, checks the blocks by value, recomputes
+    only the tokens after the checkpoint and returns the same tokens."""
+    decode, holder, _ = trio
+    prompt = list(range(300, 370))  # not in D's prefix cache yet
+    sent, num_blocks, block_bytes = put_checkpoint(holder, tiny_model_path, prompt, "writer-1")
     before = metrics(decode.url)
     source = {"holder_url": holder.url}
     rest = generate(decode.url, "resume-pulled", sent, prompt, checkpoint_from=source)
@@ -188,9 +205,37 @@ def test_a_resume_pulls_a_real_checkpoint_over_the_kv_transport(
     after = metrics(decode.url)
     key = "pdserve_worker_checkpoint_resumes_total{path=checkpoint,reason=ok}"
     assert after[key] - before.get(key, 0) == 1
+    exact = "pdserve_worker_checkpoint_canary_total{result=exact}"
+    tolerance = "pdserve_worker_checkpoint_canary_total{result=tolerance}"
+    checked = after.get(exact, 0) + after.get(tolerance, 0)
+    assert checked - before.get(exact, 0) - before.get(tolerance, 0) == 1
     recomputed = "pdserve_worker_checkpoint_recomputed_tokens_total"
-    assert after[recomputed] - before.get(recomputed, 0) == len(tokens) - num_blocks * 16
+    assert after[recomputed] - before.get(recomputed, 0) == len(prompt) + 26 - num_blocks * 16
     pulled = "pdserve_worker_checkpoint_pulled_bytes_total"
-    assert after[pulled] - before.get(pulled, 0) == num_blocks * info.block_bytes
+    assert after[pulled] - before.get(pulled, 0) == num_blocks * block_bytes
     status, _ = post(f"{holder.url}/checkpoint/release", {"owner": "writer-1"})
     assert status == 200 and metrics(holder.url)["pdserve_worker_checkpoint_held_blocks"] == 0
+
+
+def test_a_checkpoint_whose_values_are_wrong_fails_its_canary_and_is_recomputed(
+    trio: tuple[WorkerHandle, WorkerHandle, WorkerHandle], tiny_model_path: Path
+) -> None:
+    """Checksums, fingerprint, token digest and version all pass, but the blocks hold another
+    request's KV: the value check refuses them (counted) and D recomputes the same tokens."""
+    decode, holder, _ = trio
+    prompt = list(range(500, 570))
+    sent, _, _ = put_checkpoint(holder, tiny_model_path, prompt, "writer-2", damage=True)
+    before = metrics(decode.url)
+    source = {"holder_url": holder.url}
+    rest = generate(decode.url, "resume-damaged", sent, prompt, checkpoint_from=source)
+    after = metrics(decode.url)
+    reference = generate(decode.url, "reference-3", [], prompt)
+    assert rest == reference[26:]
+    for key in (
+        "pdserve_worker_checkpoint_resumes_total{path=recompute,reason=canary}",
+        "pdserve_worker_checkpoint_canary_total{result=mismatch}",
+    ):
+        assert after[key] - before.get(key, 0) == 1, key
+    recomputed = "pdserve_worker_checkpoint_recomputed_tokens_total"
+    assert after[recomputed] - before.get(recomputed, 0) == len(prompt) + 26
+    assert post(f"{holder.url}/checkpoint/release", {"owner": "writer-2"})[0] == 200

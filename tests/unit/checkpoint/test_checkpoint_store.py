@@ -59,6 +59,7 @@ class FakeReceiver:
 
 class FakeSender:
     def __init__(self) -> None:
+        self.digests: list[bytes] = []
         self.sent: list[tuple[str, list[int], list[bytes]]] = []
 
     async def send(
@@ -68,7 +69,9 @@ class FakeSender:
         token_ids: Sequence[int],
         blocks: Sequence[memoryview],
         timeout_s: float,
+        value_digest: bytes = b"",
     ) -> int:
+        self.digests.append(value_digest)
         self.sent.append((request_id, list(token_ids), [bytes(b) for b in blocks]))
         return len(blocks) * BLOCK_BYTES
 

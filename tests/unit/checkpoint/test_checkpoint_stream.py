@@ -8,7 +8,10 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from pdserve.engine.block_manager import prefix_block_hashes
+from pdserve.engine.canary import ValueDigest
 from pdserve.errors import PeerCallError, RequestNotFound
 from pdserve.worker.checkpoint_protocol import CheckpointOwner, CheckpointPut
 from pdserve.worker.checkpoint_stream import CheckpointStreams, on_tokens
@@ -32,6 +35,15 @@ RESERVATION = Reservation(
 class FakeEngine:
     def __init__(self) -> None:
         self.gone = False
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return list(range(8))
+
+    def position_logits(self, block_ids: list[int], token_id: int, position: int) -> torch.Tensor:
+        # Logits that name the position and token, so the digest binds both.
+        logits = torch.zeros(16)
+        logits[token_id % 16] = float(position)
+        return logits
 
     def copy_blocks(self, request_id: str, start: int, end: int) -> list[bytes]:
         if self.gone:
@@ -61,6 +73,7 @@ class FakePeers:
 
 class FakeSender:
     def __init__(self) -> None:
+        self.digests: list[bytes] = []
         self.sent: list[tuple[str, list[int], list[bytes]]] = []
 
     async def send(
@@ -70,7 +83,9 @@ class FakeSender:
         token_ids: Sequence[int],
         blocks: Sequence[memoryview],
         timeout_s: float,
+        value_digest: bytes = b"",
     ) -> int:
+        self.digests.append(value_digest)
         self.sent.append((request_id, list(token_ids), [bytes(b) for b in blocks]))
         return 8 * len(blocks)
 
@@ -109,6 +124,9 @@ def test_every_block_goes_once_in_a_chain_and_the_end_releases() -> None:
         for put in puts[1:]:
             assert put.parent_hash == hashes[put.first_version // BS - 2]  # the chain
         assert sender.sent[0][0] == "r@4" and sender.sent[0][1] == tokens[:8]
+        # Each put carries the value digest of its last position (the reader's canary).
+        first = ValueDigest.decode(sender.digests[0])
+        assert first.position == 7 and first.top_ids[0] == tokens[7] % 16
         assert streams.counters.num_blocks_put == 4 and streams.counters.num_bytes_put == 32
         await replica.close()
         assert peers.posts[-1] == ("/checkpoint/release", CheckpointOwner(owner="r"))
