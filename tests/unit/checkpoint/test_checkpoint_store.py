@@ -5,9 +5,10 @@ sender stand for the KV data plane, a fake clock for time."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from types import SimpleNamespace
 
 import pytest
+from checkpoint_fakes import FakeSender
 from pydantic import ValidationError
 
 from pdserve.checkpoint.host_tier import HostTier
@@ -49,31 +50,14 @@ class FakeReceiver:
         self.expected.pop(transfer_id, None)
         self.fenced.append(transfer_id)
 
-    def land(self, data: bytes) -> None:
-        """The one expected transfer arrives verified, every block filled with `data`."""
+    def land(self, data: bytes, value_digest: bytes = b"") -> None:
+        """The one expected transfer arrives verified, every block filled with `data` (and
+        the writer's value digest in its Commit)."""
         (incoming,) = self.expected.values()
+        incoming.session = SimpleNamespace(value_digest=value_digest)  # type: ignore[assignment]
         for view in incoming.blocks:
             view[:] = data * (len(view) // len(data))
         incoming.on_verified()
-
-
-class FakeSender:
-    def __init__(self) -> None:
-        self.digests: list[bytes] = []
-        self.sent: list[tuple[str, list[int], list[bytes]]] = []
-
-    async def send(
-        self,
-        destination: Destination,
-        request_id: str,
-        token_ids: Sequence[int],
-        blocks: Sequence[memoryview],
-        timeout_s: float,
-        value_digest: bytes = b"",
-    ) -> int:
-        self.digests.append(value_digest)
-        self.sent.append((request_id, list(token_ids), [bytes(b) for b in blocks]))
-        return len(blocks) * BLOCK_BYTES
 
 
 class Clock:
@@ -85,7 +69,7 @@ class Clock:
 
 
 def _store(capacity_blocks: int = 8) -> tuple[CheckpointStore, FakeReceiver, FakeSender, Clock]:
-    receiver, sender, clock = FakeReceiver(), FakeSender(), Clock()
+    receiver, sender, clock = FakeReceiver(), FakeSender(BLOCK_BYTES), Clock()
     endpoint = KVEndpoint(transport="tcp", address="127.0.0.1:1")
     store = CheckpointStore(
         HostTier(capacity_blocks * BLOCK_BYTES, BS, BLOCK_BYTES),
@@ -257,3 +241,27 @@ def test_a_plan_with_an_unknown_policy_is_bad_input_naming_the_field() -> None:
     with pytest.raises(ValidationError, match=r"checkpoint\.policy: 'every-0'"):
         CheckpointPlan(holder_url="http://h", policy="every-0")
     assert CheckpointPlan(holder_url="http://h", policy="every-3").policy == "every-3"
+
+
+def test_a_lookup_for_a_checkable_prefix_ends_at_a_block_with_a_value_digest() -> None:
+    async def scenario() -> None:
+        store, receiver, sender, _ = _store()
+        store.put(_put("r1", 0, 2))
+        receiver.land(b"\x01", value_digest=b"digest-of-position-7")
+        await asyncio.sleep(0.01)
+        store.put(_put("r1", 2, 3))
+        receiver.land(b"\x02")  # a put without a digest (the canary is off at its writer)
+        await asyncio.sleep(0.01)
+        plain = CheckpointLookup(token_ids=TOKENS, fingerprint_digest="fp-a")
+        checkable = CheckpointLookup(
+            token_ids=TOKENS, fingerprint_digest="fp-a", require_value_digest=True
+        )
+        assert store.lookup(plain).num_blocks == 3
+        assert (store.lookup(checkable).num_blocks, store.lookup(checkable).version) == (2, 8)
+        await store.send(_send_body(2), DEST)
+        assert sender.digests == [b"digest-of-position-7"]  # it travels with the blocks
+        blocks, digest = store.read_local(TOKENS[:8], "fp-a", None, 5.0)
+        assert len(blocks) == 2 and digest == b"digest-of-position-7"
+        await store.aclose()
+
+    asyncio.run(scenario())

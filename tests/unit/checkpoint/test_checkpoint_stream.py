@@ -5,10 +5,11 @@ never the request; the request's end releases its copy."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from checkpoint_fakes import FakeSender
 
 from pdserve.engine.block_manager import prefix_block_hashes
 from pdserve.engine.canary import ValueDigest
@@ -16,7 +17,6 @@ from pdserve.errors import PeerCallError, RequestNotFound
 from pdserve.worker.checkpoint_protocol import CheckpointOwner, CheckpointPut
 from pdserve.worker.checkpoint_stream import CheckpointStreams, on_tokens
 from pdserve.worker.engine_loop import EngineInfo
-from pdserve.worker.kv_outbox import Destination
 from pdserve.worker.protocol import CheckpointPlan, KVEndpoint, Reservation
 
 BS = 4
@@ -71,27 +71,8 @@ class FakePeers:
         return RESERVATION if path == "/checkpoint/put" else None
 
 
-class FakeSender:
-    def __init__(self) -> None:
-        self.digests: list[bytes] = []
-        self.sent: list[tuple[str, list[int], list[bytes]]] = []
-
-    async def send(
-        self,
-        destination: Destination,
-        request_id: str,
-        token_ids: Sequence[int],
-        blocks: Sequence[memoryview],
-        timeout_s: float,
-        value_digest: bytes = b"",
-    ) -> int:
-        self.digests.append(value_digest)
-        self.sent.append((request_id, list(token_ids), [bytes(b) for b in blocks]))
-        return 8 * len(blocks)
-
-
 def _streams() -> tuple[CheckpointStreams, FakeLoop, FakePeers, FakeSender]:
-    loop, peers, sender = FakeLoop(), FakePeers(), FakeSender()
+    loop, peers, sender = FakeLoop(), FakePeers(), FakeSender(8)
     streams = CheckpointStreams(loop, INFO, peers, sender, ("tcp",))  # type: ignore[arg-type]
     return streams, loop, peers, sender
 
