@@ -91,6 +91,7 @@ class CheckpointPuller:
         *,
         store: CheckpointStore | None = None,
         canary: bool = True,
+        require_canary: bool = False,
         canary_counts: Counter[str] | None = None,
         timeout_s: float = 10.0,
     ) -> None:
@@ -105,6 +106,8 @@ class CheckpointPuller:
         self._store = store
         # Check pulled blocks by value (`--kv-canary`); results counted with the handoffs'.
         self._canary = canary
+        # Use only checkpoints that carry a value digest (`--checkpoint-canary`).
+        self._require_canary = require_canary
         self._canary_counts: Counter[str] = (
             canary_counts if canary_counts is not None else Counter()
         )
@@ -131,7 +134,7 @@ class CheckpointPuller:
         lookup = CheckpointLookup(
             token_ids=token_ids[: usable * bs],
             fingerprint_digest=info.fingerprint_digest,
-            require_value_digest=self._canary,
+            require_value_digest=self._require_canary,
         )
         try:
             found = await self._peers.post(
@@ -240,18 +243,20 @@ class CheckpointPuller:
             await self._engine.call(lambda e: e.import_end(import_id, keep))
 
     async def _value_ok(self, import_id: str, prefix: list[int], digest: bytes) -> bool:
-        """The canary (invariant 8) on imported blocks: the last position's logits recomputed
-        from them must match the writer's digest. True when off; False when it is on and the
-        digest is missing, unreadable or differs (counted in the canary's results)."""
+        """The canary (invariant 8) on imported blocks, where the writer sent a digest: the last
+        position's logits recomputed from them must match it. False when it differs or does
+        not parse, or is missing while required; counted by result ("unchecked": no digest,
+        none required)."""
+        counts = self._canary_counts
         if not self._canary:
             return True
-        counts = self._canary_counts
+        if not digest:
+            counts["unchecked" if not self._require_canary else "missing"] += 1
+            return not self._require_canary
         try:
-            want = ValueDigest.decode(digest) if digest else None
+            want = ValueDigest.decode(digest)
         except ProtocolError:
-            want = None
-        if want is None:
-            counts["missing" if not digest else CanaryMatch.MISMATCH.value] += 1
+            counts[CanaryMatch.MISMATCH.value] += 1
             return False
         position, token, dtype = len(prefix) - 1, prefix[-1], self._info.dtype
 

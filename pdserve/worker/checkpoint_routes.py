@@ -74,7 +74,7 @@ class CheckpointService:
             tier, info, inbox.receiver, lambda: inbox.endpoints, self.sender
         )
         self.streams = CheckpointStreams(
-            engine, info, self.peers, self.sender, local, canary=config.kv_canary
+            engine, info, self.peers, self.sender, local, canary=config.checkpoint_canary
         )
         self.canary_counts: Counter[str] = Counter()
         self.puller = CheckpointPuller(
@@ -86,6 +86,7 @@ class CheckpointService:
             config.reservation_key,
             store=self.store,
             canary=config.kv_canary,
+            require_canary=config.checkpoint_canary,
             canary_counts=self.canary_counts,
         )
         # Resumes by (path, reason); tokens they had to restore and recomputed; bytes pulled.

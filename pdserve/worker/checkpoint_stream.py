@@ -245,7 +245,7 @@ class CheckpointStreams:
         sender: BlockSender,
         local: Sequence[Transport],
         send_timeout_s: float = 10.0,
-        canary: bool = True,
+        canary: bool = False,
     ) -> None:
         self.engine = engine
         self.info = info
@@ -253,7 +253,7 @@ class CheckpointStreams:
         self.sender = sender
         self.local = tuple(local)
         self.send_timeout_s = send_timeout_s
-        # Send the value digest of each put's last position (`--kv-canary`).
+        # Send the value digest of each put's last position (`--checkpoint-canary`).
         self.canary = canary
         self.counters = StreamCounters()
 

@@ -80,6 +80,10 @@ class WorkerConfig:
     # Host memory (MiB) this decode worker lends as a checkpoint holder to other decode
     # workers' requests (`pdserve/checkpoint/`); 0: it holds none.
     checkpoint_capacity_mb: int = 256
+    # Each checkpoint put carries the value digest of its last position (a one-token forward
+    # per put on the decode worker), and a resume here uses only checkpoints that can be
+    # checked by value. Off: a resume checks by value only where a digest exists.
+    checkpoint_canary: bool = False
 
     def __post_init__(self) -> None:
         if self.timeline_ring < 1:

@@ -73,7 +73,7 @@ class FakePeers:
 
 def _streams() -> tuple[CheckpointStreams, FakeLoop, FakePeers, FakeSender]:
     loop, peers, sender = FakeLoop(), FakePeers(), FakeSender(8)
-    streams = CheckpointStreams(loop, INFO, peers, sender, ("tcp",))  # type: ignore[arg-type]
+    streams = CheckpointStreams(loop, INFO, peers, sender, ("tcp",), canary=True)  # type: ignore[arg-type]
     return streams, loop, peers, sender
 
 
