@@ -118,14 +118,38 @@ class EngineLoop:
 
     # ---- commands ------------------------------------------------------------------------
 
-    async def call(self, fn: Callable[[Engine], T]) -> T:
-        """Run `fn(engine)` on the engine thread between steps; its result or exception."""
+    async def call(
+        self, fn: Callable[[Engine], T], undo: Callable[[Engine], object] | None = None
+    ) -> T:
+        """Run `fn(engine)` on the engine thread between steps; its result or exception.
+
+        If the caller is cancelled once `fn` has started, `fn` still completes; `undo(engine)`
+        then runs after it (only if it succeeded), so a command that creates state (a request,
+        an allocation) leaks nothing when its waiter goes away at the wrong moment."""
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._lock:
             if self._stopped:
                 raise RuntimeError("the engine thread has stopped")
             self._commands.put(_Command(fn, future))
-        return await asyncio.wrap_future(future)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            # wrap_future cancelled `future`; that fails once the engine thread took it up.
+            if undo is not None and not future.cancelled():
+                self._queue_undo(future, undo)
+            raise
+
+    def _queue_undo(
+        self, done: concurrent.futures.Future[Any], undo: Callable[[Engine], object]
+    ) -> None:
+        def run(engine: Engine) -> None:
+            # Commands run in order: `done`'s command has finished by now.
+            if not done.cancelled() and done.exception() is None:
+                undo(engine)
+
+        with self._lock:
+            if not self._stopped:
+                self._commands.put(_Command(run, concurrent.futures.Future()))
 
     async def add(
         self,
@@ -155,7 +179,7 @@ class EngineLoop:
             )
             self._streams[request_id] = stream
 
-        await self.call(add)
+        await self.call(add, undo=self._aborter(request_id))
         return stream.queue
 
     async def add_remote(
@@ -178,7 +202,7 @@ class EngineLoop:
                 raise
             return num_cached, engine.block_ids(request_id), engine.kv_block_views(request_id)
 
-        return await self.call(add_remote)
+        return await self.call(add_remote, undo=self._aborter(request_id))
 
     async def mark_ready(
         self,
@@ -211,6 +235,10 @@ class EngineLoop:
 
     async def abort(self, request_id: str) -> int:
         """Stop the request wherever it is; returns the blocks it held (0 if unknown)."""
+        return await self.call(self._aborter(request_id))
+
+    def _aborter(self, request_id: str) -> Callable[[Engine], int]:
+        """An engine command that aborts the request (and ends its stream): blocks freed."""
 
         def abort(engine: Engine) -> int:
             try:
@@ -223,7 +251,7 @@ class EngineLoop:
                 self._publish(stream, RequestDelta(request_id, (), True, "abort"))
             return num_blocks
 
-        return await self.call(abort)
+        return abort
 
     async def release(self, request_id: str) -> int:
         """Free KV a finished request held for a transfer; returns blocks freed (0 if none)."""

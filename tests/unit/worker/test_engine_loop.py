@@ -215,3 +215,54 @@ def test_stats_answer_while_a_long_step_runs(model: LoadedModel) -> None:
             loop.stop()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("command", ["add", "add_remote"])
+def test_a_waiter_cancelled_while_its_command_runs_leaks_nothing(
+    model: LoadedModel, command: str
+) -> None:
+    """A handler cancelled (its client left) while the engine thread runs its add: the add
+    completes, and the request it created is aborted right after, its blocks freed."""
+    in_add, release = threading.Event(), threading.Event()
+    engine_method = {"add": "add_request", "add_remote": "add_remote_request"}[command]
+
+    class SlowAdd(ThreadCheckedEngine):
+        def __getattr__(self, name: str) -> Any:
+            attr = super().__getattr__(name)
+            if name != engine_method:
+                return attr
+
+            def slow(*args: Any, **kwargs: Any) -> Any:
+                in_add.set()
+                release.wait(10)
+                return attr(*args, **kwargs)
+
+            return slow
+
+    slow = SlowAdd(make_engine(model))
+    loop = EngineLoop(lambda: cast(Engine, slow))
+    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+    async def run() -> None:
+        await loop.start()
+        try:
+            if command == "add":
+                waiter = asyncio.ensure_future(loop.add("r", list(range(3, 40)), long, True))
+            else:
+                waiter = asyncio.ensure_future(loop.add_remote("r", list(range(3, 40)), long))
+            assert await asyncio.to_thread(in_add.wait, 10)
+            waiter.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiter
+            release.set()
+            # Commands run in order: once this one ran, the add and its undo have too.
+            await loop.call(lambda engine: None)
+            stats = await loop.stats()
+            assert stats.num_running + stats.num_waiting + stats.num_remote_waiting == 0
+            assert (stats.num_free_blocks, stats.num_held_blocks) == (stats.num_blocks, 0)
+            assert await loop.abort("r") == 0  # already gone
+        finally:
+            release.set()
+            loop.stop()
+
+    asyncio.run(run())
