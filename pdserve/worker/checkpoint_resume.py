@@ -146,7 +146,11 @@ class CheckpointPuller:
         if num_blocks <= local:
             return Pull(Path.LOCAL if local else Path.RECOMPUTE, "none_held", local)
         import_id = f"{request_id}#checkpoint"
-        views = await self._engine.call(lambda e: e.import_begin(import_id, num_blocks))
+        # Cancelled mid-command (the client left): the allocation is freed, not leaked.
+        views = await self._engine.call(
+            lambda e: e.import_begin(import_id, num_blocks),
+            undo=lambda e: e.import_end(import_id, None),
+        )
         if views is None:
             return Pull(Path.RECOMPUTE, "no_room")
         prefix = token_ids[: num_blocks * bs]
@@ -206,10 +210,10 @@ class CheckpointPuller:
             ok = True
             return Pull(Path.CHECKPOINT, "ok", num_blocks, sent.num_bytes, time.monotonic() - start)
         finally:
-            # No write after this: the writer is fenced before the blocks are freed.
-            await asyncio.shield(self._receiver.fence(transfer_id))
+            # Shielded as one: a cancelled caller (the client left) must neither free blocks
+            # a writer can still land bytes in nor leave them allocated.
             keep = prefix if ok else None
-            await self._engine.call(lambda e: e.import_end(import_id, keep))
+            await asyncio.shield(self._end_import(import_id, keep, transfer_id))
 
     async def _copy_own(
         self,
@@ -240,7 +244,16 @@ class CheckpointPuller:
             return Pull(Path.CHECKPOINT, "own_tier", len(blocks), num_bytes, elapsed)
         finally:
             keep = prefix if ok else None
-            await self._engine.call(lambda e: e.import_end(import_id, keep))
+            await asyncio.shield(self._end_import(import_id, keep))
+
+    async def _end_import(
+        self, import_id: str, keep: list[int] | None, transfer_id: bytes | None = None
+    ) -> None:
+        """Fence the pull's writer (no write after this), then free the import's blocks,
+        registered in the prefix cache when `keep` names their tokens."""
+        if transfer_id is not None:
+            await self._receiver.fence(transfer_id)
+        await self._engine.call(lambda e: e.import_end(import_id, keep))
 
     async def _value_ok(self, import_id: str, prefix: list[int], digest: bytes) -> bool:
         """The canary (invariant 8) on imported blocks, where the writer sent a digest: the last
