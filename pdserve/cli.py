@@ -182,7 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default=None, help="Hugging Face model folder (default: tiny built-in)"
     )
     c.add_argument("--requests", type=_positive_int, default=6, help="concurrent requests")
-    c.add_argument("--max-tokens", type=_positive_int, default=24)
+    c.add_argument(
+        "--max-tokens",
+        type=_positive_int,
+        default=None,
+        help="tokens per request (default 24; 64 with --checkpoint-costs)",
+    )
     c.add_argument("--workdir", type=Path, default=None, help="logs here (default: a temp dir)")
     c.add_argument(
         "--no-latency-bound",
@@ -218,6 +223,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     soak.add_argument(
         "--check", type=Path, default=None, metavar="HISTORY", help="judge a stored history again"
+    )
+    costs = c.add_argument_group(
+        "decode checkpoints (pdserve chaos --checkpoint-costs: decode death with them on vs off)"
+    )
+    costs.add_argument(
+        "--checkpoint-costs",
+        action="store_true",
+        help="kill the decode worker mid-decode at each context length, checkpoints on and"
+        " off: time to the next token, tokens recomputed, KV bytes pulled",
+    )
+    costs.add_argument(
+        "--contexts",
+        type=_context_list,
+        default=(512, 2048, 8192),
+        help="prompt lengths in tokens, comma-separated (default 512,2048,8192)",
     )
 
     a = sub.add_parser(
@@ -333,18 +353,40 @@ def _cmd_soak(args: argparse.Namespace) -> int:
     return run_soak(config, "pdserve " + " ".join(sys.argv[1:]))
 
 
+def _context_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of integers") from None
+    if not values or min(values) < 16:
+        raise argparse.ArgumentTypeError(f"{text!r}: every context must be >= 16 tokens")
+    return values
+
+
 def _cmd_chaos(args: argparse.Namespace) -> int:
     from pdserve.bench.chaos import ChaosConfig, run_chaos
     from pdserve.bench.chaos_scenarios import find_scenarios
 
     if args.soak is not None or args.check is not None:
         return _cmd_soak(args)
+    if args.checkpoint_costs:
+        from pdserve.bench.checkpoint_costs import CostConfig, run_costs
+
+        return run_costs(
+            CostConfig(
+                contexts=args.contexts,
+                max_tokens=args.max_tokens or 64,
+                model=args.model,
+                json_path=args.json,
+                workdir=args.workdir,
+            )
+        )
 
     config = ChaosConfig(
         scenarios=find_scenarios(args.scenario),
         model=args.model,
         num_requests=args.requests,
-        max_tokens=args.max_tokens,
+        max_tokens=args.max_tokens or 24,
         json_path=args.json,
         workdir=args.workdir,
         strict_latency=not args.no_latency_bound,

@@ -21,6 +21,7 @@ field, the worker, the frame.
     │   ├── Unauthenticated             no credential at all (HTTP 401)
     │   └── Forbidden                   forged, expired or replayed credential (HTTP 403)
     ├── DeadlineExceeded                the request's deadline passed while a worker waited
+    ├── PeerCallError                   a worker's call to another worker failed (retryable)
     ├── EngineError
     │   ├── NoFreeBlocks                no KV blocks for the request right now (retryable)
     │   ├── Overloaded                  the worker's admission queue is full (retryable, 503)
@@ -28,7 +29,9 @@ field, the worker, the frame.
     │   ├── DuplicateRequest            request id already in the engine
     │   ├── PromptTooLong               prompt + max_tokens exceed the model or the KV cache
     │   ├── KVNotReady                  remote KV for a request is not complete and verified
-    │   └── KVValueMismatch             verified KV computes something else (the canary; retryable)
+    │   ├── KVValueMismatch             verified KV computes something else (the canary; retryable)
+    │   └── CheckpointRefused           a decode checkpoint refused: no room, bad version,
+    │                                   fingerprint, checksum or chain (names the reason)
     ├── LeaseError
     │   ├── LeaseExpired                the grant lapsed (retryable: ask for a new one)
     │   └── StaleLease                  a newer grant (higher epoch) supersedes this one
@@ -64,6 +67,19 @@ class PdserveError(Exception):
     """Base class of every error pdserve raises on purpose."""
 
     retryable: bool = False
+
+
+class PeerCallError(PdserveError):
+    """A worker's control call to another worker (a checkpoint holder) failed; `status` is
+    the HTTP status (0: unreachable) and `error_type` the peer's error class, if any."""
+
+    retryable = True
+
+    def __init__(self, url: str, status: int, error_type: str, detail: str) -> None:
+        super().__init__(f"worker {url}: {error_type or 'unreachable'} ({status}): {detail}")
+        self.url = url
+        self.status = status
+        self.error_type = error_type
 
 
 class ConfigError(PdserveError, ValueError):
@@ -191,6 +207,15 @@ class Overloaded(EngineError):
     """The worker's admission queue is full; another worker or a later retry may do."""
 
     retryable = True
+
+
+class CheckpointRefused(EngineError):
+    """A checkpoint holder refused a put or a read; `reason` is a bounded metric label
+    ("full", "version", "fingerprint", "checksum", "chain", "missing")."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class KVValueMismatch(EngineError):

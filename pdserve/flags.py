@@ -136,6 +136,19 @@ def add_policy_flags(p: argparse.ArgumentParser, max_model_len: bool = True) -> 
     r.add_argument("--max-migrations", type=int, default=_RECOVERY.max_migrations)
     r.add_argument("--queue-timeout-s", type=float, default=_RECOVERY.queue_timeout_s)
     r.add_argument("--max-queued", type=int, default=_RECOVERY.max_queued)
+    r.add_argument(
+        "--checkpoint",
+        default=_RECOVERY.checkpoint,
+        help="decode checkpoints: off, prompt or every-N (replicate a decoding request's KV"
+        " every N filled blocks to another decode worker, so a migration resumes from it)",
+    )
+    r.add_argument(
+        "--checkpoint-lease-ttl-s",
+        type=float,
+        default=_RECOVERY.checkpoint_lease_ttl_s,
+        help="a holder drops a request's checkpoint this long after its decode worker stops"
+        " renewing",
+    )
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:

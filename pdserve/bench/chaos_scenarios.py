@@ -109,6 +109,13 @@ SCENARIOS: tuple[Scenario, ...] = (
         Trigger.KILL_MID_DECODE,
     ),
     Scenario(
+        "kill_decode_mid_decode_checkpointed",
+        "the same kill with decode checkpoints on (every block): resumes go through the"
+        " checkpoint path (the holder, or the survivor's own prefix cache first)",
+        Trigger.KILL_MID_DECODE,
+        router_args=("--checkpoint", "every-1", "--checkpoint-lease-ttl-s", str(LEASE_TTL_S)),
+    ),
+    Scenario(
         "kill_prefill_mid_prefill",
         "prefill-0 SIGKILLs itself as its first prefill starts",
         Trigger.PLAN,

@@ -32,6 +32,7 @@ class KVHeavyShape:
     # Small: prefill compute grows with it, the KV does not (it is kv_heads x head_dim wide).
     hidden_size: int = 64
     intermediate_size: int = 128
+    max_position_embeddings: int = 4096
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -59,7 +60,7 @@ def build_kv_heavy_checkpoint(
         num_attention_heads=shape.num_kv_heads,
         num_key_value_heads=shape.num_kv_heads,
         head_dim=shape.head_dim,
-        max_position_embeddings=4096,
+        max_position_embeddings=shape.max_position_embeddings,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
         bos_token_id=TINY_CONFIG["bos_token_id"],

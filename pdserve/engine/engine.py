@@ -24,7 +24,7 @@ import torch
 
 from pdserve.clock import Clock, MonotonicClock
 from pdserve.config import EngineConfig
-from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.block_manager import BlockManager, prefix_block_hashes
 from pdserve.engine.grammar import GrammarCompiler
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.kv_events import KVEventLog
@@ -34,7 +34,7 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.step_stats import StepFacts, StepTotals, count_tokens, is_decode_slice
-from pdserve.errors import ConfigError, PromptTooLong, SamplingParamsError
+from pdserve.errors import ConfigError, PromptTooLong, RequestNotFound, SamplingParamsError
 from pdserve.model.loader import LoadedModel, load_model
 
 
@@ -277,6 +277,44 @@ class Engine:
         table = self.block_manager.block_ids(request_id)
         token = request.prompt_token_ids[position]
         return position, self.runner.position_logits(list(table), token, position)
+
+    # ---- decode checkpoints (`pdserve/checkpoint/`) ---------------------------------------
+
+    def copy_blocks(self, request_id: str, start: int, end: int) -> list[bytes]:
+        """Copies of the request's blocks [start, end) (a checkpoint's snapshot)."""
+        ids = self.block_manager.block_ids(request_id)[start:end]
+        if len(ids) != end - start:
+            raise RequestNotFound(f"request {request_id}: blocks {start}..{end} not held")
+        return [bytes(v) for v in self.kv_cache.block_views(ids)]
+
+    def position_logits(self, block_ids: list[int], token_id: int, position: int) -> torch.Tensor:
+        """Logits of `token_id` at `position` over the KV of `block_ids` (a checkpoint's
+        value canary; the position's own K/V go to the scratch block)."""
+        return self.runner.position_logits(block_ids, token_id, position)
+
+    def num_cached_prefix_blocks(self, token_ids: list[int]) -> int:
+        """Leading full blocks of `token_ids` whose KV the prefix cache holds (no counters)."""
+        n = 0
+        for h in prefix_block_hashes(token_ids, self.config.block_size):
+            if h not in self.block_manager.cached:
+                break
+            n += 1
+        return n
+
+    def import_begin(self, import_id: str, num_blocks: int) -> list[memoryview] | None:
+        """Fresh blocks for KV pulled from elsewhere, as writable views (None: no room)."""
+        bm = self.block_manager
+        if not bm.allocate_slots(import_id, num_blocks * self.config.block_size):
+            return None
+        return self.kv_cache.block_views(bm.block_ids(import_id))
+
+    def import_end(self, import_id: str, token_ids: list[int] | None) -> None:
+        """Free the import's blocks; with the `token_ids` they hold (verified), register them
+        in the prefix cache first, so the next request with that prefix reuses them."""
+        bm = self.block_manager
+        if token_ids is not None:
+            bm.cache_blocks(import_id, token_ids, len(token_ids))
+        bm.free(import_id)
 
     def abort(self, request_id: str) -> None:
         """Stop the request and free every block it holds."""

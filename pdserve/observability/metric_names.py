@@ -400,6 +400,93 @@ WORKER_PHASE_BUSY_SECONDS = _spec(
     "phase",
 )
 
+# ---- worker: decode checkpoints (`pdserve/checkpoint/`) ---------------------------------------
+WORKER_CHECKPOINT_RESUMES = _spec(
+    "pdserve_worker_checkpoint_resumes_total",
+    "counter",
+    "Resumed requests by how their KV came back: checkpoint (pulled), local (prefix cache) or"
+    " recompute, and why",
+    *_W,
+    "path",
+    "reason",
+)
+WORKER_CHECKPOINT_RECOMPUTED_TOKENS = _spec(
+    "pdserve_worker_checkpoint_recomputed_tokens_total",
+    "counter",
+    "Tokens (prompt + output already sent) that resumed requests recomputed",
+    *_W,
+)
+WORKER_CHECKPOINT_RESUMED_TOKENS = _spec(
+    "pdserve_worker_checkpoint_resumed_tokens_total",
+    "counter",
+    "Tokens (prompt + output already sent) that resumed requests had to restore",
+    *_W,
+)
+WORKER_CHECKPOINT_PULLED_BYTES = _spec(
+    "pdserve_worker_checkpoint_pulled_bytes_total",
+    "counter",
+    "KV bytes pulled from checkpoint holders by resumed requests",
+    *_W,
+)
+WORKER_CHECKPOINT_PUT_BLOCKS = _spec(
+    "pdserve_worker_checkpoint_put_blocks_total",
+    "counter",
+    "KV blocks this worker replicated to checkpoint holders",
+    *_W,
+)
+WORKER_CHECKPOINT_PUT_BYTES = _spec(
+    "pdserve_worker_checkpoint_put_bytes_total",
+    "counter",
+    "KV bytes this worker replicated to checkpoint holders",
+    *_W,
+)
+WORKER_CHECKPOINT_STREAM_FAILURES = _spec(
+    "pdserve_worker_checkpoint_stream_failures_total",
+    "counter",
+    "Checkpoint streams stopped because their holder failed (the request went on), by error",
+    *_W,
+    "error",
+)
+WORKER_CHECKPOINT_HELD_BLOCKS = _spec(
+    "pdserve_worker_checkpoint_held_blocks",
+    "gauge",
+    "KV blocks this worker holds as a checkpoint holder (host memory)",
+    *_W,
+)
+WORKER_CHECKPOINT_HELD_BYTES = _spec(
+    "pdserve_worker_checkpoint_held_bytes",
+    "gauge",
+    "Host-memory bytes this worker holds or has reserved for checkpoints",
+    *_W,
+)
+WORKER_CHECKPOINT_OWNERS = _spec(
+    "pdserve_worker_checkpoint_owners",
+    "gauge",
+    "Requests holding checkpoints on this worker (each under a lease)",
+    *_W,
+)
+WORKER_CHECKPOINT_REFUSALS = _spec(
+    "pdserve_worker_checkpoint_refusals_total",
+    "counter",
+    "Checkpoint puts and reads this holder refused, by reason (full, version, fingerprint,"
+    " checksum, chain, missing)",
+    *_W,
+    "reason",
+)
+WORKER_CHECKPOINT_CANARY = _spec(
+    "pdserve_worker_checkpoint_canary_total",
+    "counter",
+    "Value checks of pulled checkpoints by result (exact, tolerance, mismatch, missing)",
+    *_W,
+    "result",
+)
+WORKER_CHECKPOINT_LEASE_EXPIRIES = _spec(
+    "pdserve_worker_checkpoint_lease_expiries_total",
+    "counter",
+    "Checkpoint owners released because their writer stopped renewing",
+    *_W,
+)
+
 ALL: tuple[MetricSpec, ...] = tuple(
     v for v in list(globals().values()) if isinstance(v, MetricSpec)
 )

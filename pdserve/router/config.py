@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 from pdserve.auth.secret import ClusterSecret
+from pdserve.checkpoint.policy import CheckpointPolicy
 from pdserve.errors import ConfigError
 from pdserve.faults import parse_rules
 from pdserve.membership.uri import parse_discovery
@@ -84,8 +85,17 @@ class RecoveryConfig:
     # at once), with at most `max_queued` requests waiting at a time.
     queue_timeout_s: float = 5.0
     max_queued: int = 64
+    # Decode checkpoints (`pdserve/checkpoint/policy.py`): off, prompt or every-N; a holder
+    # drops a request's copy this long after its writer stopped renewing.
+    checkpoint: str = "off"
+    checkpoint_lease_ttl_s: float = 10.0
 
     def __post_init__(self) -> None:
+        CheckpointPolicy.parse(self.checkpoint)
+        if not 0 < self.checkpoint_lease_ttl_s < float("inf"):
+            raise ConfigError(
+                f"checkpoint-lease-ttl-s: must be > 0, got {self.checkpoint_lease_ttl_s}"
+            )
         unknown = [s for s in self.steps if s not in RECOVERY_STEPS]
         if unknown or len(set(self.steps)) != len(self.steps):
             raise ConfigError(

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 
 from pdserve.errors import NoCapacity, RouterError, WorkerCallError, WorkerUnreachable
 from pdserve.faults import FaultInjector, FaultSite
+from pdserve.router import checkpoint_plan
 from pdserve.router.affinity import AffinityPolicy, RouteQuery
 from pdserve.router.capacity_queue import CapacityQueue
 from pdserve.router.config import AffinityConfig, RecoveryConfig
@@ -103,6 +104,8 @@ class _Run:
     failed_decode: set[str] = field(default_factory=set)
     # Resumptions started (their worker-side ids are suffixed `.mN`).
     num_resumes: int = 0
+    # The worker holding the current leg's decode checkpoints (None: none).
+    holder: str | None = None
 
 
 class _StepFailed(Exception):
@@ -308,12 +311,14 @@ class DisaggFlow:
         timeline = request.timeline
         timeline.advance(S.TRANSFERRING, leg.decode_url)
         remaining = request.remaining_s()
+        run.holder = checkpoint_plan.choose_holder(self._pool.snapshot(), leg.decode_url)
         decode = DecodeRequest(
             request_id=leg.worker_request_id,
             first_token_id=run.sent[0],
             # The reservation's lease ends a silent transfer sooner; this bounds a slow one.
             kv_timeout_s=remaining or self._lease_ttl_s * 10,
             deadline_s=remaining,
+            checkpoint=checkpoint_plan.plan(self._recovery, run.holder),
         )
         committed = False
         try:
@@ -341,7 +346,11 @@ class DisaggFlow:
             run.leg = None
             if isinstance(exc, WorkerUnreachable):
                 self._pool.mark_failed(leg.decode_url, str(exc))
-            await self._reserver.release(leg)
+            if committed:  # D died mid-decode: the migration does not wait on it
+                self._client.release_in_background(leg.decode_url, leg.worker_request_id)
+                await self._client.release_quietly(leg.prefill_url, leg.worker_request_id)
+            else:
+                await self._reserver.release(leg)
             if not committed:
                 # Any failure before the commit (D dead, KV never verified or failed its value
                 # check, reservation gone) is the handoff's.
@@ -376,6 +385,8 @@ class DisaggFlow:
         request = run.request
         timeline = request.timeline
         candidates = [v.url for v in rank_decode(self._pool.snapshot(), exclude=run.failed_decode)]
+        if prefer is None and run.sent:
+            prefer = checkpoint_plan.resume_on(self._recovery, run.holder)
         if prefer in candidates:
             candidates.remove(prefer)
             candidates.insert(0, prefer)
@@ -389,12 +400,19 @@ class DisaggFlow:
         run.num_resumes += 1
         rid = f"{request.request_id}.m{run.num_resumes}"
         timeline.advance(S.ROUTED, f"{label} to {url} after {len(run.sent)} tokens")
+        recovery = self._recovery
+        source = checkpoint_plan.source(recovery, run.holder if run.sent else None)
+        run.holder = checkpoint_plan.choose_holder(
+            self._pool.snapshot(), url, keep=run.holder, exclude=run.failed_decode
+        )
         body = GenerateRequest(
             request_id=rid,
             prompt_token_ids=request.prompt_token_ids,
             sampling=request.sampling,
             output_token_ids=list(run.sent),
             deadline_s=request.remaining_s(),
+            checkpoint=checkpoint_plan.plan(recovery, run.holder),
+            checkpoint_from=source,
         )
         finished = False
         try:
@@ -421,7 +439,9 @@ class DisaggFlow:
             run.failed_decode.add(url)
             raise _StepFailed(Failure.RESUME_FAILED, exc) from exc
         finally:
-            if not finished:
+            if not finished and url in run.failed_decode:
+                self._client.release_in_background(url, rid)  # the next worker goes on now
+            elif not finished:
                 await self._client.release_quietly(url, rid)
 
     # ---- reservations ----------------------------------------------------------------------

@@ -160,6 +160,8 @@ def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
             max_migrations=args.max_migrations,
             queue_timeout_s=args.queue_timeout_s,
             max_queued=args.max_queued,
+            checkpoint=args.checkpoint,
+            checkpoint_lease_ttl_s=args.checkpoint_lease_ttl_s,
         ),
     )
     config.chat_template_text()  # a bad --chat-template fails here, at start

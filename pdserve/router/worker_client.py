@@ -162,6 +162,13 @@ class WorkerClient:
         task.add_done_callback(self._cleanups.discard)
         await asyncio.shield(task)
 
+    def release_in_background(self, url: str, request_id: str) -> None:
+        """Release on a failure path without waiting for it: a paused or dead worker must not
+        hold up the recovery by a control timeout (its own leases free what it held)."""
+        task = asyncio.create_task(self._release_ignoring_errors(url, request_id))
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+
     async def _release_ignoring_errors(self, url: str, request_id: str) -> None:
         # 404 (already finished or freed) is the common, harmless answer here.
         with contextlib.suppress(RouterError):

@@ -39,7 +39,7 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from pdserve.auth.signing import CallVerifier
-from pdserve.engine.engine import Engine
+from pdserve.engine.engine import Engine, RequestDelta
 from pdserve.errors import (
     DeadlineExceeded,
     EngineError,
@@ -52,6 +52,8 @@ from pdserve.faults import FaultClosed, FaultInjector, FaultSite, perform
 from pdserve.observability.timeline_log import EventRing
 from pdserve.worker import kv_canary
 from pdserve.worker.auth_middleware import auth_middleware
+from pdserve.worker.checkpoint_routes import CheckpointService
+from pdserve.worker.checkpoint_stream import Replica, on_tokens
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.engine_loop import EngineInfo, EngineLoop
 from pdserve.worker.http_errors import Handler, error_middleware
@@ -61,6 +63,7 @@ from pdserve.worker.kv_outbox import Destination, KVOutbox, parse_destination
 from pdserve.worker.lease_keeper import LeaseKeeper
 from pdserve.worker.observe_routes import ObserveRoutes
 from pdserve.worker.protocol import (
+    CheckpointPlan,
     DecodeRequest,
     GenerateRequest,
     HandoffInfo,
@@ -143,6 +146,7 @@ class WorkerAPI:
         verifier: CallVerifier | None = None,
         local_transports: tuple[Transport, ...] = ("tcp",),
         kv_streams: KVEventStreams | None = None,
+        checkpoints: CheckpointService | None = None,
     ) -> None:
         self.config = config
         self.worker_id = config.worker_id
@@ -167,6 +171,8 @@ class WorkerAPI:
         self.observe = ObserveRoutes(self)
         # POST /kv_events (None: not served, e.g. an API built without an engine's log).
         self.kv_streams = kv_streams
+        # Decode checkpoints: holder, replicas, resume pulls (None: a prefill-only worker).
+        self.checkpoints = checkpoints
 
     def app(self) -> web.Application:
         """The application with every route of the protocol (+ /admin/faults if enabled)."""
@@ -191,6 +197,8 @@ class WorkerAPI:
         )
         if self.kv_streams is not None:
             app.add_routes([web.post("/kv_events", self.kv_streams.handle)])
+        if self.checkpoints is not None:
+            app.add_routes(self.checkpoints.routes())
         if self.config.enable_fault_admin:
             app.add_routes(
                 [
@@ -397,7 +405,14 @@ class WorkerAPI:
                 done = True
                 return response
             await self.streams.write(response, TokenEvent(token_ids=[], handoff=handoff))
-            await self.streams.stream(queue, response, rid, body.deadline_s)
+            replica = await self._open_replica(rid, body.checkpoint, [body.first_token_id])
+            try:
+                await self.streams.stream(
+                    queue, response, rid, body.deadline_s, on_tokens(replica, None)
+                )
+            finally:
+                if replica is not None:
+                    await replica.close()
             done = True
         finally:
             if not done:  # the client went away: nobody will read the rest
@@ -420,6 +435,8 @@ class WorkerAPI:
             self.events.record(
                 body.request_id, "generate_start", f"resume_after={len(body.output_token_ids)}"
             )
+            # A resume first pulls its checkpoint into the prefix cache (never fails).
+            first, num_adopted = await self._pull_checkpoint(body)
             queue = await self.engine.add(
                 body.request_id,
                 body.prompt_token_ids,
@@ -427,15 +444,39 @@ class WorkerAPI:
                 output_token_ids=body.output_token_ids,
             )
             done = False
+            replica: Replica | None = None
             try:
                 response = await self.streams.open(request)
-                await self.streams.stream(queue, response, body.request_id, body.deadline_s)
+                replica = await self._open_replica(
+                    body.request_id, body.checkpoint, body.output_token_ids, num_adopted
+                )
+                await self.streams.stream(
+                    queue, response, body.request_id, body.deadline_s, on_tokens(replica, first)
+                )
                 done = True
             finally:
+                if replica is not None:
+                    await replica.close()
                 if not done:
                     await self.engine.abort(body.request_id)
             await response.write_eof()
             return response
+
+    async def _open_replica(
+        self, rid: str, plan: CheckpointPlan | None, outputs: list[int], num_sent: int = 0
+    ) -> Replica | None:
+        """Start replicating the request's KV to its holder (None: no plan)."""
+        if plan is None or self.checkpoints is None:
+            return None
+        return await self.checkpoints.open_replica(rid, plan, outputs, num_sent)
+
+    async def _pull_checkpoint(
+        self, body: GenerateRequest
+    ) -> tuple[Callable[[RequestDelta], None] | None, int]:
+        """A resume's checkpoint pull (`CheckpointService.pull_for`)."""
+        if body.checkpoint_from is None or self.checkpoints is None:
+            return None, 0
+        return await self.checkpoints.pull_for(body, self.events)
 
     async def renew(self, request: web.Request) -> web.Response:
         """POST /renew: keep a reservation alive while its prefill runs elsewhere."""

@@ -77,6 +77,13 @@ class WorkerConfig:
     # KV receiver: a connection must say Hello within this; at most this many at once.
     kv_handshake_timeout_s: float = 5.0
     kv_max_connections: int = 64
+    # Host memory (MiB) this decode worker lends as a checkpoint holder to other decode
+    # workers' requests (`pdserve/checkpoint/`); 0: it holds none.
+    checkpoint_capacity_mb: int = 256
+    # Each checkpoint put carries the value digest of its last position (a one-token forward
+    # per put on the decode worker), and a resume here uses only checkpoints that can be
+    # checked by value. Off: a resume checks by value only where a digest exists.
+    checkpoint_canary: bool = False
 
     def __post_init__(self) -> None:
         if self.timeline_ring < 1:
@@ -97,6 +104,11 @@ class WorkerConfig:
         parse_rules(self.faults)  # a bad rule fails at start, named
         if self.discovery is not None:
             self._check_discovery()
+        if not isinstance(self.checkpoint_capacity_mb, int) or self.checkpoint_capacity_mb < 0:
+            raise ConfigError(
+                f"checkpoint-capacity-mb: must be a whole number >= 0,"
+                f" got {self.checkpoint_capacity_mb!r}"
+            )
         if self.max_waiting < 1:
             raise ConfigError(f"max-waiting: must be >= 1, got {self.max_waiting}")
         if not 4096 <= self.kv_frame_bytes <= 64 << 20:

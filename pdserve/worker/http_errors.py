@@ -17,6 +17,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from pdserve.errors import (
+    CheckpointRefused,
     ConfigError,
     DeadlineExceeded,
     DuplicateRequest,
@@ -54,6 +55,7 @@ _STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (WrongRole, 409),
     (DuplicateRequest, 409),
     (KVNotReady, 409),
+    (CheckpointRefused, 409),
     (KVValueMismatch, 409),
     (TransportUnavailable, 409),
     (LeaseError, 409),

@@ -47,7 +47,7 @@ from pdserve.worker.engine_loop import EngineInfo, EngineLoop
 from pdserve.worker.kv_connections import ConnectionPool
 from pdserve.worker.lease_keeper import LeaseKeeper
 from pdserve.worker.metrics import SendHistograms
-from pdserve.worker.protocol import SignedReservation, Transport
+from pdserve.worker.protocol import Reservation, SignedReservation, Transport
 from pdserve.worker.reservation_auth import verify_reservation
 from pdserve.worker.transport_stats import TransportStats
 
@@ -90,7 +90,18 @@ def parse_destination(
     """Check a signed reservation and choose its transport; Forbidden, ConfigError naming the
     bad field, or TransportUnavailable naming why, before anything runs."""
     verify_reservation(key, signed, now_s)
-    reservation = signed.reservation
+    return destination_of(signed.reservation, signed.decode_url, local=local, explicit=explicit)
+
+
+def destination_of(
+    reservation: Reservation,
+    decode_url: str | None,
+    *,
+    local: Sequence[Transport],
+    explicit: bool,
+) -> Destination:
+    """A reservation (already trusted) as a Destination, its transport chosen; ConfigError
+    naming the bad field, or TransportUnavailable naming why."""
     fields: dict[str, bytes] = {}
     for name in ("transfer_id", "capability_token"):
         try:
@@ -111,7 +122,7 @@ def parse_destination(
         kv_transports.parse_address(choice.endpoint.address, "reservation.endpoints"),
         reservation.lease_epoch,
         reservation.num_cached_tokens,
-        signed.decode_url,
+        decode_url,
         choice.downgraded_from,
         choice.reason,
         choice.detail,

@@ -108,6 +108,19 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument(
         "--kv-max-connections", type=int, default=64, help="KV connections served at once"
     )
+    kv.add_argument(
+        "--checkpoint-capacity-mb",
+        type=int,
+        default=256,
+        help="host memory lent to other decode workers' checkpoints (decode roles; 0: none)",
+    )
+    kv.add_argument(
+        "--checkpoint-canary",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="send a value digest with every checkpoint put (one extra one-token forward per"
+        " put) and resume only from checkpoints checked by value",
+    )
     sec = p.add_argument_group("security and admission")
     sec.add_argument(
         "--cluster-secret-file",
@@ -181,6 +194,8 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         kv_canary=args.kv_canary,
         kv_handshake_timeout_s=args.kv_handshake_timeout_s,
         kv_max_connections=args.kv_max_connections,
+        checkpoint_capacity_mb=args.checkpoint_capacity_mb,
+        checkpoint_canary=args.checkpoint_canary,
         max_waiting=args.max_waiting,
         role=args.role,
         host=args.host,

@@ -14,6 +14,7 @@ Endpoints (role in brackets):
     POST /kv_abort  KVAbortRequest  -> KVAbortResult                   [decode, both]
     POST /renew     RenewRequest    -> RenewResult                     [decode, both]
     POST /kv_events KVEventsRequest -> stream of KVEventBatch          [all]
+    POST /checkpoint/{put,renew,release,lookup,send}  (`checkpoint_protocol.py`) [decode, both]
     GET  /metrics                   Prometheus text                    [all]
     GET  /debug/requests/{id}       WorkerEvents                       [all]
 Errors are `ErrorBody` with an HTTP status: 400 bad input, 401 no cluster credential, 403 a
@@ -35,8 +36,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pdserve.checkpoint.policy import CheckpointPolicy
 from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.sampling_params import GrammarKind, GrammarSpec, SamplingParams
 
@@ -305,6 +307,27 @@ class PrefillResult(_Model):
     prefill_end_ns: int
 
 
+class CheckpointPlan(_Model):
+    """Replicate this request's KV to `holder_url` under `policy` ("prompt", "every-N")
+    (`pdserve/checkpoint/`; the holder's endpoints are in `checkpoint_protocol.py`)."""
+
+    holder_url: str
+    policy: str
+    lease_ttl_s: float = Field(default=30.0, gt=0)
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        CheckpointPolicy.parse(value, "checkpoint.policy")  # ConfigError is a ValueError: 400
+        return value
+
+
+class CheckpointSource(_Model):
+    """Where a resumed request's latest checkpoint is held."""
+
+    holder_url: str
+
+
 class DecodeRequest(_Model):
     """Decode a reserved request once its KV is verified, streaming from the second token."""
 
@@ -315,6 +338,8 @@ class DecodeRequest(_Model):
     kv_timeout_s: float = Field(default=30.0, gt=0)
     # Seconds the router still waits for this request, its tokens included.
     deadline_s: float | None = Field(default=None, gt=0)
+    # Replicate the request's KV while it decodes (None: no checkpoints).
+    checkpoint: CheckpointPlan | None = None
 
 
 class GenerateRequest(_Model):
@@ -328,6 +353,11 @@ class GenerateRequest(_Model):
     output_token_ids: list[int] = Field(default_factory=list)
     # Seconds the router still waits for this request.
     deadline_s: float | None = Field(default=None, gt=0)
+    # Replicate the request's KV while it decodes (None: no checkpoints).
+    checkpoint: CheckpointPlan | None = None
+    # A resume: pull the longest checkpointed prefix of prompt + output from there first and
+    # recompute only the rest (recompute everything if that fails).
+    checkpoint_from: CheckpointSource | None = None
 
 
 class HandoffInfo(_Model):

@@ -32,6 +32,7 @@ from pdserve.transfer.receiver import ReceiverLimits
 from pdserve.transfer.sender import SendPolicy
 from pdserve.worker import kv_transports
 from pdserve.worker.app import WorkerAPI
+from pdserve.worker.checkpoint_routes import CheckpointService
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.give_up_notice import http_give_up_notice
@@ -68,6 +69,7 @@ class Worker:
         self.leases = LeaseKeeper(config.reap_interval_s)
         self.inbox: KVInbox | None = None
         self.outbox: KVOutbox | None = None
+        self.checkpoints: CheckpointService | None = None
         # Fault injection exists only when asked for; None keeps every site a no-op.
         self.faults: FaultInjector | None = None
         if config.faults or config.enable_fault_admin:
@@ -104,6 +106,8 @@ class Worker:
                 stats=stats,
             )
             await self.inbox.start(c.host, c.kv_port, c.advertise_host)
+            self.checkpoints = CheckpointService(c, info, self.engine, self.inbox, transports)
+            self.checkpoints.start()
         if c.serves_prefill:
             policy = SendPolicy(
                 chunk_timeout_s=c.transfer_chunk_timeout_s, frame_bytes=c.kv_frame_bytes
@@ -134,6 +138,7 @@ class Worker:
             verifier=None if http_key is None else CallVerifier(http_key, time.time),
             local_transports=transports,
             kv_streams=self.kv_streams,
+            checkpoints=self.checkpoints,
         )
         # handler_cancellation: a client that disconnects cancels its handler, whose cleanup
         # aborts the request in the engine.
@@ -190,6 +195,8 @@ class Worker:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        if self.checkpoints is not None:
+            await self.checkpoints.aclose()
         if self.inbox is not None:
             await self.inbox.aclose()
         await self.leases.aclose()

@@ -12,9 +12,11 @@ It knows aiohttp responses, the protocol's `TokenEvent` and the engine loop's qu
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from aiohttp import web
 
+from pdserve.engine.engine import RequestDelta
 from pdserve.errors import DeadlineExceeded, PdserveError
 from pdserve.faults import FaultInjector, FaultSite, perform
 from pdserve.observability.timeline_log import EventRing
@@ -62,11 +64,13 @@ class TokenStreamer:
         response: web.StreamResponse,
         request_id: str,
         deadline_s: float | None = None,
+        on_delta: Callable[[RequestDelta], object] | None = None,
     ) -> None:
-        """Stream the request's tokens; at its deadline, abort it and end with an error line."""
+        """Stream the request's tokens; at its deadline, abort it and end with an error line.
+        `on_delta` sees every delta first (the request's checkpoint replica)."""
         try:
             async with asyncio.timeout(deadline_s):
-                await self._stream(queue, response, request_id)
+                await self._stream(queue, response, request_id, on_delta)
         except TimeoutError:
             await self._engine.abort(request_id)
             await self.error(
@@ -75,11 +79,17 @@ class TokenStreamer:
             )
 
     async def _stream(
-        self, queue: DeltaQueue, response: web.StreamResponse, request_id: str
+        self,
+        queue: DeltaQueue,
+        response: web.StreamResponse,
+        request_id: str,
+        on_delta: Callable[[RequestDelta], object] | None,
     ) -> None:
         first = True
         while True:
             delta = await queue.get()
+            if on_delta is not None:
+                on_delta(delta)
             if first and delta.new_token_ids:
                 first = False
                 self._events.record(request_id, "first_token")

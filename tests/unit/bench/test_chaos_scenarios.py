@@ -133,7 +133,7 @@ def test_a_dying_router_must_fail_requests_but_not_leak() -> None:
 
 def test_every_scenario_plan_parses_and_names_its_workers() -> None:
     names = [s.name for s in SCENARIOS]
-    assert len(set(names)) == len(names) == 10
+    assert len(set(names)) == len(names) == 11
     for scenario in SCENARIOS:
         workers = {w.name for w in scenario.workers}
         for name, rules in scenario.plans:

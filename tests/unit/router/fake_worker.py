@@ -75,6 +75,8 @@ class FakeWorker:
     step_prefill_tokens: list[int] | None = None
     calls: list[tuple[str, str]] = field(default_factory=list)
     samplings: list[SamplingModel] = field(default_factory=list)
+    # Every /decode and /generate body, in order (checkpoint plans and sources included).
+    bodies: list[DecodeRequest | GenerateRequest] = field(default_factory=list)
     # Reported as the prefix cache's share of every prompt.
     num_cached_tokens: int = 0
     reserved: dict[str, ReserveRequest] = field(default_factory=dict)
@@ -183,6 +185,7 @@ class FakeWorker:
     async def decode(self, request: web.Request) -> web.StreamResponse:
         body = DecodeRequest.model_validate_json(await request.read())
         self.calls.append(("/decode", body.request_id))
+        self.bodies.append(body)
         reserved = self.reserved.pop(body.request_id, None)
         if reserved is None:
             return _error(404, "unknown request", "RequestNotFound")
@@ -211,6 +214,7 @@ class FakeWorker:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = GenerateRequest.model_validate_json(await request.read())
         self.calls.append(("/generate", body.request_id))
+        self.bodies.append(body)
         self.samplings.append(body.sampling)
         if self.refuse_reserve:
             return _error(503, "full", "NoCapacity", retryable=True)

@@ -156,6 +156,9 @@ class FakeClient:
     async def release_quietly(self, url: str, request_id: str) -> None:
         self.holds.discard((url, request_id))
 
+    def release_in_background(self, url: str, request_id: str) -> None:
+        self.holds.discard((url, request_id))
+
     async def decode(self, url: str, request: DecodeRequest) -> AsyncGenerator[TokenEvent, None]:
         behaviour = self._next()
         rid = request.request_id

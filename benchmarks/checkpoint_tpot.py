@@ -1,0 +1,160 @@
+"""The steady-state cost of decode checkpoints: TPOT with them on vs off, at the same load.
+
+One local cluster (one prefill, two decode workers) and two routers over the same workers: one
+with `--checkpoint off`, one with `--checkpoint every-N` for each N asked. Rounds alternate the
+routers (off, on, off, on, ...) so both see the same workers, caches and machine noise; each
+round sends `--concurrency` streamed greedy completions at once (prompt `--prompt-tokens`,
+`--max-tokens` each). TPOT per request is (last token - first token) / (tokens - 1) at the
+client; the figure per policy is the median over its requests. Prints a table; `--json FILE`
+writes every figure and the ratio on/off (the target: at most 1.05).
+
+    .venv/bin/python benchmarks/checkpoint_tpot.py [--json tpot.json] [--rounds 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+from pdserve.auth.secret import ENV_VAR
+from pdserve.bench.chaos_cluster import ChaosCluster
+from pdserve.bench.chaos_scenarios import WorkerSpec
+from pdserve.bench.completion_client import stream_completion
+from pdserve.supervise.process import Child, spawn_child, stop_children, wait_child_ready
+
+WORKERS = (
+    WorkerSpec("prefill-0", "prefill"),
+    WorkerSpec("decode-0", "decode"),
+    WorkerSpec("decode-1", "decode"),
+)
+
+
+def start_router(cluster: ChaosCluster, policy: str, workdir: Path) -> Child:
+    """Another router over the cluster's workers, with `--checkpoint policy`."""
+    args = ["pdserve.router.main", "--host", "127.0.0.1", "--port", "0", "--checkpoint", policy]
+    args += ["--local-prefill-threshold", "0"]
+    for name in cluster.workers:
+        args += ["--worker", cluster.url(name)]
+    child = spawn_child(
+        f"router-{policy}-{time.monotonic_ns()}", args, workdir, env={ENV_VAR: cluster.secret}
+    )
+    child.url = wait_child_ready(child, time.monotonic() + 60)
+    return child
+
+
+async def one_round(
+    url: str, model: str, concurrency: int, prompt_tokens: int, max_tokens: int, seed: int
+) -> list[float]:
+    """TPOTs (seconds) of `concurrency` requests sent at once."""
+    rng = random.Random(seed)
+    times: dict[int, list[float]] = {i: [] for i in range(concurrency)}
+
+    def recorder(i: int):  # type: ignore[no-untyped-def]
+        async def on_tokens(num_tokens: int) -> None:
+            times[i].append(time.monotonic())
+
+        return on_tokens
+
+    async with aiohttp.ClientSession() as session:
+        bodies = [
+            {"model": model, "prompt": [rng.randrange(3, 2000) for _ in range(prompt_tokens)],
+             "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+            for _ in range(concurrency)
+        ]  # fmt: skip
+        done = await asyncio.gather(
+            *(stream_completion(session, url, b, recorder(i)) for i, b in enumerate(bodies))
+        )
+    tpots = []
+    for i, completion in enumerate(done):
+        if completion.error is not None:
+            raise RuntimeError(f"request failed: {completion.error}")
+        stamps = times[i]
+        n = len(completion.token_ids)
+        tpots.append((stamps[-1] - stamps[0]) / max(n - 1, 1))
+    return tpots
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--policies", default="off,every-1,every-4")
+    parser.add_argument(
+        "--kv-transport", default="auto", help="the workers' --kv-transport (auto, tcp, ...)"
+    )
+    args = parser.parse_args()
+    # "off" first (the cluster's own router); a second "off" measures the noise floor.
+    policies = ["off", *(f"{p}#{i}" for i, p in enumerate(args.policies.split(","), 1))]
+    with tempfile.TemporaryDirectory(prefix="pdserve-ckpt-tpot-") as tmp:
+        workdir = Path(tmp)
+        workers = tuple(
+            WorkerSpec(w.name, w.role, ("--kv-transport", args.kv_transport)) for w in WORKERS
+        )
+        cluster = ChaosCluster(workers, ("--checkpoint", "off"), workdir)
+        routers: list[Child] = []
+        results: dict[str, list[float]] = {p: [] for p in policies}
+        try:
+            cluster.start()
+            urls = {"off": cluster.router_url}
+            for policy in policies[1:]:
+                routers.append(start_router(cluster, policy.split("#")[0], workdir))
+                urls[policy] = routers[-1].url or ""
+            model = cluster.model_name
+            # Warm-up: every path once.
+            for policy in policies:
+                asyncio.run(one_round(urls[policy], model, 1, 64, 16, seed=999))
+            for r in range(args.rounds):
+                for policy in policies:
+                    results[policy] += asyncio.run(
+                        one_round(
+                            urls[policy],
+                            model,
+                            args.concurrency,
+                            args.prompt_tokens,
+                            args.max_tokens,
+                            seed=r,  # the same prompts for every policy in a round
+                        )
+                    )
+        finally:
+            stop_children(routers)
+            cluster.stop()
+    base = statistics.median(results["off"])
+    report: dict[str, object] = {
+        "concurrency": args.concurrency,
+        "prompt_tokens": args.prompt_tokens,
+        "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
+        "kv_transport": args.kv_transport,
+        "policies": {},
+    }
+    print(f"{'checkpoint':<12} {'TPOT p50 ms':>12} {'p90 ms':>8} {'vs off':>8}")
+    for policy in policies:
+        values = sorted(results[policy])
+        p50, p90 = statistics.median(values), values[int(0.9 * (len(values) - 1))]
+        ratio = p50 / base
+        report["policies"][policy] = {  # type: ignore[index]
+            "tpot_p50_s": p50,
+            "tpot_p90_s": p90,
+            "tpot_p50_over_off": ratio,
+            "num_requests": len(values),
+        }
+        print(f"{policy:<12} {p50 * 1e3:>12.2f} {p90 * 1e3:>8.2f} {ratio:>8.3f}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Where a decoding request's checkpoints go: the router's half of decode checkpoints. Pure.
+
+The holder is another decode-capable worker of the same compatible group (its host tier
+takes KV of this fingerprint), never the decoding worker itself, the least loaded first; a
+migrated request keeps its holder when it can, so the new decode worker pulls from it and
+takes the held blocks over instead of sending them again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+from pdserve.checkpoint.policy import CheckpointPolicy
+from pdserve.router.config import RecoveryConfig
+from pdserve.router.policy import WorkerView, rank_decode
+from pdserve.worker.protocol import CheckpointPlan, CheckpointSource
+
+
+def choose_holder(
+    workers: Sequence[WorkerView],
+    decode_url: str,
+    keep: str | None = None,
+    exclude: Collection[str] = (),
+) -> str | None:
+    """The holder for a request decoding on `decode_url` (None: no other worker)."""
+    ranked = [w.url for w in rank_decode(workers, exclude={*exclude, decode_url})]
+    if keep is not None and keep in ranked:
+        return keep
+    return ranked[0] if ranked else None
+
+
+def plan(recovery: RecoveryConfig, holder: str | None) -> CheckpointPlan | None:
+    """The decode body's checkpoint plan (None: checkpoints off or no holder)."""
+    if holder is None or not CheckpointPolicy.parse(recovery.checkpoint).enabled:
+        return None
+    return CheckpointPlan(
+        holder_url=holder, policy=recovery.checkpoint, lease_ttl_s=recovery.checkpoint_lease_ttl_s
+    )
+
+
+def resume_on(recovery: RecoveryConfig, holder: str | None) -> str | None:
+    """The worker a migration should try first: the request's holder (nearest cache first:
+    it resumes from its own tier, nothing travels); None: no preference."""
+    return holder if source(recovery, holder) is not None else None
+
+
+def source(recovery: RecoveryConfig, holder: str | None) -> CheckpointSource | None:
+    """Where a resume finds the request's latest checkpoint (None: nowhere, or off). The
+    holder may be the resuming worker itself: its own tier is the nearest copy."""
+    if holder is None or not CheckpointPolicy.parse(recovery.checkpoint).enabled:
+        return None
+    return CheckpointSource(holder_url=holder)

@@ -1,0 +1,272 @@
+"""The decode side of decode checkpoints: a decoding request's KV replicated to its holder.
+
+Life cycle of one request's replica (`Replica`, all on the event loop's thread):
+
+    open (the router's CheckpointPlan)
+      each token: `advance` ── is a batch due (`CheckpointPolicy.next_batch`)? ──► wake the task
+      the task: copy the blocks [sent, target) on the engine thread (between steps)
+                POST holder /checkpoint/put (their tokens) -> a reservation in its host tier
+                send the copies over the KV transport (checksummed, fingerprinted, acked)
+                sent = target; the chained hash of the last block is the next put's parent
+      every TTL/3: POST holder /checkpoint/renew (the owner's lease)
+    close (the request ended, however) ──► POST holder /checkpoint/release (best effort:
+                                            the lease ends it anyway)
+
+Invariants:
+- The request never waits for its checkpoint: tokens are streamed whatever the replica does;
+  the only engine work is the copy, one command between two steps.
+- Holder failure is harmless: any failed call or send makes the replica stop (counted); the
+  holder's lease then drops what it held. The request goes on without checkpoints.
+- Version = tokens covered: a put names its first block's version ((index + 1) * block_size),
+  and the holder checks that it continues the chain it holds.
+
+It knows the engine loop, the peer client and the block sender; not HTTP handlers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from pdserve.checkpoint.policy import CheckpointPolicy
+from pdserve.engine.block_manager import hash_block_tokens
+from pdserve.engine.canary import ValueDigest
+from pdserve.engine.engine import Engine, RequestDelta
+from pdserve.errors import PdserveError, RequestNotFound
+from pdserve.worker.checkpoint_protocol import (
+    CheckpointOwner,
+    CheckpointPut,
+    CheckpointReleased,
+    CheckpointRenewed,
+)
+from pdserve.worker.checkpoint_sender import BlockSender, put_request_id
+from pdserve.worker.engine_loop import EngineInfo, EngineLoop
+from pdserve.worker.kv_outbox import destination_of
+from pdserve.worker.peer_client import PeerClient
+from pdserve.worker.protocol import CheckpointPlan, Reservation, Transport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StreamCounters:
+    """What this worker's replicas did (the /metrics counters)."""
+
+    num_puts: int = 0
+    num_blocks_put: int = 0
+    num_bytes_put: int = 0
+    # Replicas that stopped because the holder failed, by error class.
+    failures: Counter[str] = field(default_factory=Counter)
+
+
+class Replica:
+    """One request's checkpoint stream to its holder."""
+
+    def __init__(
+        self,
+        owner: str,
+        plan: CheckpointPlan,
+        policy: CheckpointPolicy,
+        token_ids: Sequence[int],
+        num_prompt_tokens: int,
+        streams: CheckpointStreams,
+        num_sent_blocks: int = 0,
+    ) -> None:
+        self.owner = owner
+        self.plan = plan
+        self.policy = policy
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_sent_blocks = num_sent_blocks
+        self.stopped = False
+        self._streams = streams
+        self._wake = asyncio.Event()
+        self._wake.set()
+        self._parent_hash = 0
+        bs = streams.info.block_size
+        for i in range(num_sent_blocks):
+            self._parent_hash = hash_block_tokens(
+                self._parent_hash, self.token_ids[i * bs : (i + 1) * bs]
+            )
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._run())
+        self._renewer = loop.create_task(self._renew())
+
+    def advance(self, new_token_ids: Sequence[int]) -> None:
+        """The request produced these tokens (every one before the last has KV now)."""
+        self.token_ids.extend(new_token_ids)
+        if self._due():
+            self._wake.set()
+
+    def _due(self) -> range:
+        bs = self._streams.info.block_size
+        # The newest token's KV is written by the step that samples the next one.
+        num_full = max(len(self.token_ids) - 1, 0) // bs
+        return self.policy.next_batch(self.num_prompt_tokens, num_full, self.num_sent_blocks, bs)
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                batch = self._due()
+                if batch:
+                    await self._put(batch)
+        except asyncio.CancelledError:
+            raise
+        except RequestNotFound:
+            # The request ended (its blocks are gone) before the copy: nothing left to send.
+            self.stopped = True
+            self._renewer.cancel()
+        except PdserveError as exc:
+            self._fail(exc)
+        except Exception as exc:  # never let a checkpoint bug touch the request
+            log.exception("checkpoint replica of %s failed", self.owner)
+            self._fail(exc)
+
+    async def _put(self, batch: range) -> None:
+        s = self._streams
+        bs = s.info.block_size
+        start, end = batch.start, batch.stop
+        snapshot = _snapshot(self.owner, start, end, self.token_ids[end * bs - 1], bs, s.canary)
+        blocks, value_digest = await s.engine.call(snapshot)
+        block_tokens = [self.token_ids[i * bs : (i + 1) * bs] for i in range(start, end)]
+        body = CheckpointPut(
+            owner=self.owner,
+            fingerprint_digest=s.info.fingerprint_digest,
+            parent_hash=self._parent_hash,
+            first_version=(start + 1) * bs,
+            block_tokens=block_tokens,
+            lease_ttl_s=self.plan.lease_ttl_s,
+        )
+        reservation = await s.peers.post(self.plan.holder_url, "/checkpoint/put", body, Reservation)
+        destination = destination_of(reservation, None, local=s.local, explicit=False)
+        tokens = [t for block in block_tokens for t in block]
+        num_bytes = await s.sender.send(
+            destination,
+            put_request_id(self.owner, body.first_version),
+            tokens,
+            [memoryview(b) for b in blocks],
+            s.send_timeout_s,
+            value_digest=value_digest,
+        )
+        for block in block_tokens:
+            self._parent_hash = hash_block_tokens(self._parent_hash, block)
+        self.num_sent_blocks = end
+        s.counters.num_puts += 1
+        s.counters.num_blocks_put += end - start
+        s.counters.num_bytes_put += num_bytes
+
+    async def _renew(self) -> None:
+        body = CheckpointOwner(owner=self.owner, lease_ttl_s=self.plan.lease_ttl_s)
+        period = self.plan.lease_ttl_s / 3
+        try:
+            while True:
+                await asyncio.sleep(period)
+                await self._streams.peers.post(
+                    self.plan.holder_url, "/checkpoint/renew", body, CheckpointRenewed
+                )
+        except PdserveError as exc:
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        if not self.stopped:
+            self.stopped = True
+            self._streams.counters.failures[type(exc).__name__] += 1
+            log.info("checkpoint of %s stopped: %s", self.owner, exc)
+            self._task.cancel()
+            self._renewer.cancel()
+
+    async def close(self) -> None:
+        """The request ended: stop and release the holder's copy (best effort)."""
+        self.stopped = True
+        for task in (self._task, self._renewer):
+            task.cancel()
+        for task in (self._task, self._renewer):
+            with contextlib.suppress(BaseException):
+                await task
+        with contextlib.suppress(PdserveError):
+            await self._streams.peers.post(
+                self.plan.holder_url,
+                "/checkpoint/release",
+                CheckpointOwner(owner=self.owner),
+                CheckpointReleased,
+            )
+
+
+def _snapshot(
+    owner: str, start: int, end: int, last_token: int, block_size: int, canary: bool
+) -> Callable[[Engine], tuple[list[bytes], bytes]]:
+    """An engine command: copies of the blocks [start, end) and, with the canary, the value
+    digest of their last position recomputed from this KV (the reader checks it by value)."""
+
+    def snapshot(engine: Engine) -> tuple[list[bytes], bytes]:
+        blocks = engine.copy_blocks(owner, start, end)
+        if not canary:
+            return blocks, b""
+        position = end * block_size - 1
+        logits = engine.position_logits(engine.block_ids(owner), last_token, position)
+        return blocks, ValueDigest.of_logits(logits, position).encode()
+
+    return snapshot
+
+
+def on_tokens(
+    replica: Replica | None, first: Callable[[RequestDelta], None] | None
+) -> Callable[[RequestDelta], None]:
+    """What a token stream tells for each delta: `first` (once, with the first tokens) and
+    the request's replica."""
+    told = [first is None]
+
+    def seen(delta: RequestDelta) -> None:
+        if not delta.new_token_ids:
+            return
+        if not told[0] and first is not None:
+            told[0] = True
+            first(delta)
+        if replica is not None:
+            replica.advance(delta.new_token_ids)
+
+    return seen
+
+
+class CheckpointStreams:
+    """Opens the replicas of one decode worker's requests."""
+
+    def __init__(
+        self,
+        engine: EngineLoop,
+        info: EngineInfo,
+        peers: PeerClient,
+        sender: BlockSender,
+        local: Sequence[Transport],
+        send_timeout_s: float = 10.0,
+        canary: bool = False,
+    ) -> None:
+        self.engine = engine
+        self.info = info
+        self.peers = peers
+        self.sender = sender
+        self.local = tuple(local)
+        self.send_timeout_s = send_timeout_s
+        # Send the value digest of each put's last position (`--checkpoint-canary`).
+        self.canary = canary
+        self.counters = StreamCounters()
+
+    def open(
+        self,
+        owner: str,
+        plan: CheckpointPlan,
+        token_ids: Sequence[int],
+        num_prompt_tokens: int,
+        num_sent_blocks: int = 0,
+    ) -> Replica | None:
+        """Start replicating the request `owner` (None: its plan says off)."""
+        policy = CheckpointPolicy.parse(plan.policy, "checkpoint.policy")
+        if not policy.enabled:
+            return None
+        return Replica(owner, plan, policy, token_ids, num_prompt_tokens, self, num_sent_blocks)

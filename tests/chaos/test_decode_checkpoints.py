@@ -1,0 +1,231 @@
+"""Decode checkpoints with real processes: the decode worker is killed (SIGKILL) or paused
+(SIGSTOP) mid-generation, the request resumes on another decode worker from the checkpoint
+its holder kept, not by recomputing, and the client's text equals the fault-free text.
+
+Each case asserts from the resuming worker's /metrics that it pulled the checkpoint and
+recomputed fewer tokens than one KV block, and that one checkpoint lease TTL later no worker
+holds anything for the request (engine blocks or checkpoint blocks). A holder killed while
+the request decodes costs the request nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_decode_death import health, stream_tokens
+from worker_proc import WorkerHandle, launch_worker, router_process, wait_ready, worker_processes
+
+from pdserve.observability.exposition import parse
+
+BLOCK_SIZE = 16
+# A killed worker's checkpoint lapses after this; a paused one's must outlive the router's
+# drain (poll 1 s + timeout 2 s + deadline), so the pause case uses the longer one.
+CHECKPOINT_TTL_S = 3.0
+PAUSE_CHECKPOINT_TTL_S = 8.0
+HEALTH_DEADLINE_S = 1.0
+# A prompt of a few blocks, then a long generation: the kill comes mid-decode.
+PROMPT = "Once upon a time " * 12
+BODY = {"model": "tiny-v1", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
+
+
+def _cluster(
+    tiny_model_path: Path, tmp_path: Path, num_decode: int, ttl_s: float = CHECKPOINT_TTL_S
+) -> Iterator[tuple[str, list[WorkerHandle]]]:
+    with worker_processes() as handles:
+        handles.append(launch_worker("prefill", tmp_path, model=tiny_model_path))
+        for _ in range(num_decode):
+            handles.append(launch_worker("decode", tmp_path, model=tiny_model_path))
+        for handle in handles:
+            wait_ready(handle)
+        router_args = (
+            "--checkpoint", "every-1",
+            "--checkpoint-lease-ttl-s", str(ttl_s),
+            "--health-deadline-s", str(HEALTH_DEADLINE_S),
+            "--lease-ttl-s", "3",
+        )  # fmt: skip
+        with router_process(
+            tmp_path, tiny_model_path, [h.url for h in handles], extra_args=router_args
+        ) as url:
+            yield url, handles
+        for h in handles:  # never leave a stopped process behind
+            if h.proc.poll() is None:
+                os.kill(h.pid, signal.SIGCONT)
+
+
+@pytest.fixture
+def cluster(tiny_model_path: Path, tmp_path: Path) -> Iterator[tuple[str, list[WorkerHandle]]]:
+    """A router with checkpoints every block over one prefill and two decode workers."""
+    yield from _cluster(tiny_model_path, tmp_path, 2)
+
+
+@pytest.fixture
+def paused_cluster(
+    tiny_model_path: Path, tmp_path: Path
+) -> Iterator[tuple[str, list[WorkerHandle]]]:
+    """Two decode workers, checkpoints that outlive the router's drain of a paused one."""
+    yield from _cluster(tiny_model_path, tmp_path, 2, PAUSE_CHECKPOINT_TTL_S)
+
+
+@pytest.fixture
+def cluster3(tiny_model_path: Path, tmp_path: Path) -> Iterator[tuple[str, list[WorkerHandle]]]:
+    """The same with three decode workers (decoder, holder, a spare)."""
+    yield from _cluster(tiny_model_path, tmp_path, 3)
+
+
+def metrics(url: str) -> dict[str, float]:
+    """A worker's samples as {"name{label=value,...}": value} (labels sorted, worker_id out)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for s in parse(text):
+        labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels) if k != "worker_id")
+        out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def busy_decoder(router_url: str, decodes: list[WorkerHandle]) -> WorkerHandle | None:
+    """The decode worker the router has the stream open on."""
+    busy = {w["url"] for w in health(router_url)["workers"] if w["num_inflight"]}  # type: ignore[attr-defined]
+    return next((h for h in decodes if h.url in busy), None)
+
+
+def after_a_checkpoint(victim: WorkerHandle, signum: int) -> None:
+    """Send `signum` to the decoder right after its next checkpoint put completed: the
+    request is then at most one block ahead of its checkpoint (a kill during a put would
+    lose that put's block too, a tokens-per-put race the test must not depend on)."""
+    name = "pdserve_worker_checkpoint_put_blocks_total"
+    before = metrics(victim.url).get(name, 0)
+    deadline = time.monotonic() + 5
+    while metrics(victim.url).get(name, 0) == before:
+        assert time.monotonic() < deadline, "no checkpoint put in 5 s"
+        time.sleep(0.002)
+    os.kill(victim.pid, signum)
+
+
+def wait_clean(handles: list[WorkerHandle], timeout_s: float) -> None:
+    """Every live worker back to nothing pinned, running or held as a checkpoint."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = {}
+        for h in handles:
+            if h.proc.poll() is not None:
+                continue
+            state = health(h.url)
+            held = metrics(h.url).get("pdserve_worker_checkpoint_held_blocks", 0)
+            states[h.url] = (state["num_pinned_blocks"], state["num_running"], held)
+        if all(v == (0, 0, 0) for v in states.values()):
+            return
+        assert time.monotonic() < deadline, f"still held one TTL later: {states}"
+        time.sleep(0.2)
+
+
+def resumed_from_checkpoint(handles: list[WorkerHandle], faulted: WorkerHandle) -> float:
+    """Check one surviving decode worker resumed from the checkpoint; its recomputed tokens."""
+    resumes = {}
+    for h in handles:
+        if h is faulted or h.role != "decode":
+            continue
+        m = metrics(h.url)
+        n = sum(
+            v
+            for k, v in m.items()
+            if k.startswith("pdserve_worker_checkpoint_resumes_total{path=checkpoint,")
+        )
+        resumes[h.url] = (n, m.get("pdserve_worker_checkpoint_recomputed_tokens_total", 0))
+    pulled = [v for v in resumes.values() if v[0] == 1]
+    assert len(pulled) == 1, f"no worker resumed from a checkpoint: {resumes}"
+    return pulled[0][1]
+
+
+@pytest.mark.parametrize(
+    ("sampling", "kill_at"),
+    [({"temperature": 0}, 60), ({"temperature": 0.9, "seed": 7}, 150)],
+    ids=["greedy@60", "seeded@150"],
+)
+def test_killed_decoder_resumes_from_its_checkpoint(
+    cluster: tuple[str, list[WorkerHandle]], sampling: dict[str, object], kill_at: int
+) -> None:
+    url, handles = cluster
+    decodes = [h for h in handles if h.role == "decode"]
+    body = {**BODY, **sampling}
+    reference, _ = stream_tokens(url, body)
+    killed: list[WorkerHandle] = []
+
+    def kill(num_chunks: int) -> None:
+        if num_chunks == kill_at and not killed:
+            victim = busy_decoder(url, decodes)
+            if victim is not None:
+                after_a_checkpoint(victim, signal.SIGKILL)
+                victim.proc.wait(5)
+                killed.append(victim)
+
+    pieces, finish = stream_tokens(url, body, kill)
+    assert killed, "no decode worker had the stream when the kill was due"
+    assert finish == "length" and "".join(pieces) == "".join(reference)
+    recomputed = resumed_from_checkpoint(handles, killed[0])
+    assert recomputed <= BLOCK_SIZE, f"{recomputed} tokens recomputed"
+    wait_clean(handles, CHECKPOINT_TTL_S + 2)
+
+
+def test_paused_decoder_resumes_from_its_checkpoint(
+    paused_cluster: tuple[str, list[WorkerHandle]],
+) -> None:
+    url, handles = paused_cluster
+    decodes = [h for h in handles if h.role == "decode"]
+    body = {**BODY, "temperature": 0.9, "seed": 11}
+    reference, _ = stream_tokens(url, body)
+    paused: list[WorkerHandle] = []
+
+    def pause(num_chunks: int) -> None:
+        if num_chunks == 100 and not paused:
+            victim = busy_decoder(url, decodes)
+            if victim is not None:
+                after_a_checkpoint(victim, signal.SIGSTOP)
+                paused.append(victim)
+
+    pieces, finish = stream_tokens(url, body, pause)
+    assert paused, "no decode worker had the stream when the pause was due"
+    assert finish == "length" and "".join(pieces) == "".join(reference)
+    recomputed = resumed_from_checkpoint(handles, paused[0])
+    assert recomputed <= BLOCK_SIZE, f"{recomputed} tokens recomputed"
+    # Past every lease TTL, then woken: it must free what it held, and hold nothing anywhere.
+    time.sleep(PAUSE_CHECKPOINT_TTL_S + 1)
+    os.kill(paused[0].pid, signal.SIGCONT)
+    wait_clean(handles, PAUSE_CHECKPOINT_TTL_S + 3)
+
+
+def test_holder_death_never_fails_the_request(
+    cluster3: tuple[str, list[WorkerHandle]],
+) -> None:
+    url, handles = cluster3
+    decodes = [h for h in handles if h.role == "decode"]
+    body = {**BODY, "temperature": 0}
+    reference, _ = stream_tokens(url, body)
+    killed: list[WorkerHandle] = []
+
+    def kill_the_holder(num_chunks: int) -> None:
+        if num_chunks != 60 or killed:
+            return
+        for h in decodes:
+            if metrics(h.url).get("pdserve_worker_checkpoint_owners", 0) > 0:
+                os.kill(h.pid, signal.SIGKILL)
+                h.proc.wait(5)
+                killed.append(h)
+                return
+
+    pieces, finish = stream_tokens(url, body, kill_the_holder)
+    assert killed, "no worker held a checkpoint when the kill was due"
+    assert finish == "length" and "".join(pieces) == "".join(reference)
+    failures = [
+        metrics(h.url).get("pdserve_worker_checkpoint_stream_failures_total{error=PeerCallError}")
+        for h in decodes
+        if h is not killed[0]
+    ]
+    assert any(failures), f"the decoder never noticed its holder died: {failures}"
+    wait_clean(handles, CHECKPOINT_TTL_S + 2)

@@ -1,0 +1,144 @@
+"""The decode side's replica, without sockets: blocks go to the holder as the policy says, in
+chained puts whose versions count tokens; a failing holder stops the replica (counted) and
+never the request; the request's end releases its copy."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from checkpoint_fakes import FakeSender
+
+from pdserve.engine.block_manager import prefix_block_hashes
+from pdserve.engine.canary import ValueDigest
+from pdserve.errors import PeerCallError, RequestNotFound
+from pdserve.worker.checkpoint_protocol import CheckpointOwner, CheckpointPut
+from pdserve.worker.checkpoint_stream import CheckpointStreams, on_tokens
+from pdserve.worker.engine_loop import EngineInfo
+from pdserve.worker.protocol import CheckpointPlan, KVEndpoint, Reservation
+
+BS = 4
+INFO = EngineInfo({}, "fp-a", 1, BS, 8, "float32", 64, 1024)
+RESERVATION = Reservation(
+    request_id="r@4",
+    transfer_id="11" * 16,
+    capability_token="22" * 16,
+    endpoints=[KVEndpoint(transport="tcp", address="127.0.0.1:9")],
+    lease_epoch=0,
+    num_cached_tokens=0,
+    lease_ttl_s=30.0,
+)
+
+
+class FakeEngine:
+    def __init__(self) -> None:
+        self.gone = False
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return list(range(8))
+
+    def position_logits(self, block_ids: list[int], token_id: int, position: int) -> torch.Tensor:
+        # Logits that name the position and token, so the digest binds both.
+        logits = torch.zeros(16)
+        logits[token_id % 16] = float(position)
+        return logits
+
+    def copy_blocks(self, request_id: str, start: int, end: int) -> list[bytes]:
+        if self.gone:
+            raise RequestNotFound(request_id)
+        return [bytes([i]) * 8 for i in range(start, end)]
+
+
+class FakeLoop:
+    def __init__(self) -> None:
+        self.engine = FakeEngine()
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        return fn(self.engine)
+
+
+class FakePeers:
+    def __init__(self) -> None:
+        self.posts: list[tuple[str, Any]] = []
+        self.fail = False
+
+    async def post(self, url: str, path: str, body: Any, model: type[Any], **_: Any) -> Any:
+        self.posts.append((path, body))
+        if self.fail:
+            raise PeerCallError(url, 0, "", "unreachable")
+        return RESERVATION if path == "/checkpoint/put" else None
+
+
+def _streams() -> tuple[CheckpointStreams, FakeLoop, FakePeers, FakeSender]:
+    loop, peers, sender = FakeLoop(), FakePeers(), FakeSender(8)
+    streams = CheckpointStreams(loop, INFO, peers, sender, ("tcp",), canary=True)  # type: ignore[arg-type]
+    return streams, loop, peers, sender
+
+
+def _puts(peers: FakePeers) -> list[CheckpointPut]:
+    return [body for path, body in peers.posts if path == "/checkpoint/put"]
+
+
+def test_every_block_goes_once_in_a_chain_and_the_end_releases() -> None:
+    async def scenario() -> None:
+        streams, _, peers, sender = _streams()
+        plan = CheckpointPlan(holder_url="http://h", policy="every-1", lease_ttl_s=30.0)
+        prompt = list(range(10, 19))  # 9 tokens: two full blocks
+        replica = streams.open("r", plan, [*prompt, 50], len(prompt))
+        assert replica is not None
+        seen = on_tokens(replica, None)
+        await asyncio.sleep(0)
+        for token in range(51, 58):  # 17 tokens in all: four blocks hold computed KV
+            seen(_delta([token]))
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.01)
+        tokens = [*prompt, *range(50, 58)]
+        puts = _puts(peers)
+        assert (puts[0].first_version, len(puts[0].block_tokens)) == (4, 2)  # the prompt
+        # Contiguous, each block once: version v starts where the last put ended.
+        ends = [p.first_version - BS + BS * len(p.block_tokens) for p in puts]
+        assert [p.first_version - BS for p in puts] == [0, *ends[:-1]] and ends[-1] == 16
+        assert replica.num_sent_blocks == 4
+        hashes = prefix_block_hashes(tokens[:16], BS)
+        for put in puts[1:]:
+            assert put.parent_hash == hashes[put.first_version // BS - 2]  # the chain
+        assert sender.sent[0][0] == "r@4" and sender.sent[0][1] == tokens[:8]
+        # Each put carries the value digest of its last position (the reader's canary).
+        first = ValueDigest.decode(sender.digests[0])
+        assert first.position == 7 and first.top_ids[0] == tokens[7] % 16
+        assert streams.counters.num_blocks_put == 4 and streams.counters.num_bytes_put == 32
+        await replica.close()
+        assert peers.posts[-1] == ("/checkpoint/release", CheckpointOwner(owner="r"))
+
+    asyncio.run(scenario())
+
+
+def test_a_failing_holder_stops_the_replica_counted_and_an_ended_request_is_not_a_failure() -> None:
+    async def scenario() -> None:
+        streams, loop, peers, _ = _streams()
+        plan = CheckpointPlan(holder_url="http://h", policy="prompt", lease_ttl_s=30.0)
+        peers.fail = True
+        replica = streams.open("r", plan, list(range(9)), 8)
+        assert replica is not None
+        await asyncio.sleep(0.01)
+        assert replica.stopped and streams.counters.failures == {"PeerCallError": 1}
+        peers.fail = False
+        loop.engine.gone = True
+        ended = streams.open("r2", plan, list(range(9)), 8)
+        assert ended is not None
+        await asyncio.sleep(0.01)
+        assert ended.stopped and sum(streams.counters.failures.values()) == 1
+        off = CheckpointPlan(holder_url="http://h", policy="off")
+        assert streams.open("r3", off, [1, 2], 2) is None
+        await replica.close()
+        await ended.close()
+
+    asyncio.run(scenario())
+
+
+def _delta(tokens: list[int]) -> Any:
+    from pdserve.engine.engine import RequestDelta
+
+    return RequestDelta("r", tuple(tokens), False, None)
