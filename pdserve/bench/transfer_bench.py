@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import numpy as np
 
@@ -82,6 +82,7 @@ from pdserve.transfer.tcp import TcpConfig, configure_socket
 from pdserve.worker import kv_transports
 from pdserve.worker.kv_connections import ConnectionPool
 from pdserve.worker.lease_keeper import LeaseKeeper
+from pdserve.worker.protocol import Transport
 
 # A 7-8B GQA model's KV (32 layers, 4 KV heads of 128, bfloat16, as Qwen2-7B has 28 layers
 # of): 64 KiB per token, 1 MiB per 16-token block, so every default size is whole blocks.
@@ -228,7 +229,7 @@ class _Sender:
         self.fingerprint = fingerprint
         self.key = key
         self.leases = LeaseKeeper()
-        self.pool = ConnectionPool(kv_transports.connect)  # type: ignore[arg-type]
+        self.pool = ConnectionPool(kv_transports.connect)
         self.policy = SendPolicy(frame_bytes=config.frame_bytes)
         self.num_handoffs = 0
         self.raw: socket.socket | None = None
@@ -307,12 +308,13 @@ class _Sender:
         )
         session = SenderSession(tid, self.fingerprint, cluster_key=self.key)
         address = ("127.0.0.1", port)
+        kind = cast(Transport, transport)  # one of TARGETS: checked by TransferConfig
 
         async def connect() -> ByteStream:
-            return await self.pool.acquire(transport, address)
+            return await self.pool.acquire(kind, address)
 
         async def release(stream: ByteStream, ok: bool) -> None:
-            await self.pool.release(transport, address, stream, ok)
+            await self.pool.release(kind, address, stream, ok)
 
         try:
             cpu_start = time.process_time()

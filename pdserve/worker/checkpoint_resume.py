@@ -46,9 +46,9 @@ from pdserve.worker.checkpoint_protocol import (
     CheckpointSend,
     CheckpointSent,
 )
-from pdserve.worker.checkpoint_sender import layout_of
 from pdserve.worker.checkpoint_store import CheckpointStore
 from pdserve.worker.engine_loop import EngineInfo, EngineLoop
+from pdserve.worker.kv_outbox import layout_of
 from pdserve.worker.peer_client import PeerClient
 from pdserve.worker.protocol import CheckpointSource, KVEndpoint, Reservation
 from pdserve.worker.reservation_auth import sign_reservation

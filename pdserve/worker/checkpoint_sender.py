@@ -12,31 +12,22 @@ It knows the transfer sender and the connection pool; not HTTP, the engine or th
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 
 from pdserve.clock import Clock, MonotonicClock
-from pdserve.transfer.messages import KVLayout, token_digest
+from pdserve.transfer.messages import token_digest
 from pdserve.transfer.sender import OutgoingTransfer, SendPolicy, send_with_retries
 from pdserve.transfer.sender_session import SenderSession
-from pdserve.transfer.stream import Address, ByteStream
+from pdserve.transfer.stream import ByteStream
 from pdserve.worker import kv_transports
 from pdserve.worker.engine_loop import EngineInfo
-from pdserve.worker.kv_connections import ConnectionPool
-from pdserve.worker.kv_outbox import Destination
-
-
-def layout_of(info: EngineInfo, num_blocks: int) -> KVLayout:
-    """The wire layout of `num_blocks` of this engine's blocks."""
-    return KVLayout(info.num_layers, num_blocks, info.block_bytes, info.dtype, info.block_size)
+from pdserve.worker.kv_connections import Connect, ConnectionPool
+from pdserve.worker.kv_outbox import Destination, layout_of
 
 
 def put_request_id(owner: str, first_version: int) -> str:
     """The request id a checkpoint put's transfer names (both sides derive it)."""
     return f"{owner}@{first_version}"
-
-
-async def _connect(transport: str, address: Address) -> ByteStream:
-    return await kv_transports.connect(transport, address)  # type: ignore[arg-type]
 
 
 class BlockSender:
@@ -47,14 +38,14 @@ class BlockSender:
         info: EngineInfo,
         policy: SendPolicy,
         cluster_key: bytes | None,
-        connect: Callable[[str, Address], Awaitable[ByteStream]] | None = None,
+        connect: Connect | None = None,
         clock: Clock | None = None,
     ) -> None:
         self._info = info
         self._policy = policy
         self._key = cluster_key
         self._clock = clock or MonotonicClock()
-        self.pool = ConnectionPool(connect or _connect)
+        self.pool = ConnectionPool(connect or kv_transports.connect)
         self.num_sent = 0
         self.num_bytes_sent = 0
 

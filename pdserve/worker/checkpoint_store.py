@@ -44,9 +44,9 @@ from pdserve.worker.checkpoint_protocol import (
     CheckpointSend,
     CheckpointSent,
 )
-from pdserve.worker.checkpoint_sender import BlockSender, layout_of, put_request_id
+from pdserve.worker.checkpoint_sender import BlockSender, put_request_id
 from pdserve.worker.engine_loop import EngineInfo
-from pdserve.worker.kv_outbox import Destination
+from pdserve.worker.kv_outbox import Destination, layout_of
 from pdserve.worker.protocol import KVEndpoint, Reservation
 
 # The receiving side names no lease epoch for a put (its lease is the owner's, not a block's).

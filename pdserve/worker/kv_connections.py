@@ -30,11 +30,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from pdserve.transfer.stream import Address, ByteStream
+from pdserve.worker.protocol import Transport
 
 logger = logging.getLogger(__name__)
 
-Key = tuple[str, Address]
-Connect = Callable[[str, Address], Awaitable[ByteStream]]
+Key = tuple[Transport, Address]
+Connect = Callable[[Transport, Address], Awaitable[ByteStream]]
 
 
 @dataclass(slots=True)
@@ -55,7 +56,7 @@ class ConnectionPool:
         self.num_opened = 0
         self.num_reused = 0
 
-    def warm(self, transport: str, address: Address) -> None:
+    def warm(self, transport: Transport, address: Address) -> None:
         """Open a stream to the endpoint in the background unless one is idle or opening."""
         key = (transport, address)
         if self._idle.get(key) or key in self._warming:
@@ -76,7 +77,7 @@ class ConnectionPool:
 
         self._warming[key] = asyncio.get_running_loop().create_task(open_one())
 
-    async def acquire(self, transport: str, address: Address) -> ByteStream:
+    async def acquire(self, transport: Transport, address: Address) -> ByteStream:
         """A reusable idle stream to the endpoint, or a new one."""
         key = (transport, address)
         warming = self._warming.get(key)
@@ -94,7 +95,9 @@ class ConnectionPool:
         self.num_opened += 1
         return stream
 
-    async def release(self, transport: str, address: Address, stream: ByteStream, ok: bool) -> None:
+    async def release(
+        self, transport: Transport, address: Address, stream: ByteStream, ok: bool
+    ) -> None:
         """Give a stream back after an attempt: kept if it ended cleanly and is reusable."""
         idle = self._idle.setdefault((transport, address), [])
         if not ok or not stream.reusable() or len(idle) >= self._max_idle:

@@ -44,7 +44,7 @@ from pdserve.transfer.sender_session import SenderSession
 from pdserve.transfer.stream import Address, ByteStream
 from pdserve.worker import kv_transports
 from pdserve.worker.engine_loop import EngineInfo, EngineLoop
-from pdserve.worker.kv_connections import ConnectionPool
+from pdserve.worker.kv_connections import Connect, ConnectionPool
 from pdserve.worker.lease_keeper import LeaseKeeper
 from pdserve.worker.metrics import SendHistograms
 from pdserve.worker.protocol import Reservation, SignedReservation, Transport
@@ -77,6 +77,11 @@ class Destination:
     downgraded_from: Transport | None = None
     downgrade_reason: str | None = None
     downgrade_detail: str | None = None
+
+
+def layout_of(info: EngineInfo, num_blocks: int) -> KVLayout:
+    """The wire layout of `num_blocks` of this engine's blocks."""
+    return KVLayout(info.num_layers, num_blocks, info.block_bytes, info.dtype, info.block_size)
 
 
 def parse_destination(
@@ -144,7 +149,7 @@ class KVOutbox:
         *,
         cluster_key: bytes | None = None,
         stats: TransportStats | None = None,
-        connect: Callable[[str, Address], Awaitable[ByteStream]] | None = None,
+        connect: Connect | None = None,
     ) -> None:
         self._engine = engine
         self._info = info
@@ -156,7 +161,7 @@ class KVOutbox:
         self._give_up = give_up
         self._key = cluster_key
         self.stats = stats or TransportStats()
-        self.pool = ConnectionPool(connect or _connect)
+        self.pool = ConnectionPool(connect or kv_transports.connect)
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.num_sent = 0
         self.num_failed = 0
@@ -279,9 +284,7 @@ class KVOutbox:
                 if (rule := faults.fire(FaultSite.TRANSFER_SOURCE_KV, total)) is not None:
                     self._damage_source(rule, blocks)
             info = self._info
-            layout = KVLayout(
-                info.num_layers, len(blocks), info.block_bytes, info.dtype, info.block_size
-            )
+            layout = layout_of(info, len(blocks))
             transfer = OutgoingTransfer(
                 destination.transfer_id,
                 request_id,
@@ -352,7 +355,3 @@ class KVOutbox:
             self._leases.drop(lease)
             with contextlib.suppress(RuntimeError):
                 await asyncio.shield(self._engine.release(request_id))
-
-
-async def _connect(transport: str, address: Address) -> ByteStream:
-    return await kv_transports.connect(transport, address)  # type: ignore[arg-type]
