@@ -294,12 +294,23 @@ class Engine:
 
     def num_cached_prefix_blocks(self, token_ids: list[int]) -> int:
         """Leading full blocks of `token_ids` whose KV the prefix cache holds (no counters)."""
-        n = 0
+        return len(self.cached_prefix_block_ids(token_ids))
+
+    def cached_prefix_block_ids(self, token_ids: list[int]) -> list[int]:
+        """The cache's blocks holding the leading full blocks of `token_ids` (no counters)."""
+        ids: list[int] = []
         for h in prefix_block_hashes(token_ids, self.config.block_size):
-            if h not in self.block_manager.cached:
+            block_id = self.block_manager.cached.get(h)
+            if block_id is None:
                 break
-            n += 1
-        return n
+            ids.append(block_id)
+        return ids
+
+    def copy_cached_prefix(self, token_ids: list[int], max_blocks: int) -> list[bytes]:
+        """Copies of the leading full blocks of `token_ids` the prefix cache holds (at most
+        `max_blocks`): a peer's resume pulls them (full cached blocks never change)."""
+        ids = self.cached_prefix_block_ids(token_ids[: max_blocks * self.config.block_size])
+        return [bytes(v) for v in self.kv_cache.block_views(ids)]
 
     def import_begin(self, import_id: str, num_blocks: int) -> list[memoryview] | None:
         """Fresh blocks for KV pulled from elsewhere, as writable views (None: no room)."""

@@ -404,8 +404,9 @@ WORKER_PHASE_BUSY_SECONDS = _spec(
 WORKER_CHECKPOINT_RESUMES = _spec(
     "pdserve_worker_checkpoint_resumes_total",
     "counter",
-    "Resumed requests by how their KV came back: checkpoint (pulled), local (prefix cache) or"
-    " recompute, and why",
+    "Resumed requests by how their KV came back: checkpoint (pulled from the holder),"
+    " peer_cache (pulled from another worker's prefix cache), local (this worker's prefix"
+    " cache) or recompute, and why",
     *_W,
     "path",
     "reason",
@@ -479,6 +480,40 @@ WORKER_CHECKPOINT_CANARY = _spec(
     "Value checks of pulled checkpoints by result (exact, tolerance, mismatch, missing)",
     *_W,
     "result",
+)
+
+# ---- worker: its prefix cache as a resume's source (`worker/prefix_source.py`) -------------
+WORKER_CACHE_SOURCE_LOOKUPS = _spec(
+    "pdserve_worker_cache_source_lookups_total",
+    "counter",
+    "Resuming peers' lookups of their KV in this worker's prefix cache",
+    *_W,
+)
+WORKER_CACHE_SOURCE_SENT_BLOCKS = _spec(
+    "pdserve_worker_cache_source_sent_blocks_total",
+    "counter",
+    "Prefix-cache blocks this worker sent to resuming peers",
+    *_W,
+)
+WORKER_CACHE_SOURCE_SENT_BYTES = _spec(
+    "pdserve_worker_cache_source_sent_bytes_total",
+    "counter",
+    "Prefix-cache KV bytes this worker sent to resuming peers",
+    *_W,
+)
+WORKER_CACHE_SOURCE_REFUSALS = _spec(
+    "pdserve_worker_cache_source_refusals_total",
+    "counter",
+    "Prefix-cache sends refused (fingerprint, version, blocks evicted since the lookup), by reason",
+    *_W,
+    "reason",
+)
+WORKER_CACHE_SOURCE_SEND_FAILURES = _spec(
+    "pdserve_worker_cache_source_send_failures_total",
+    "counter",
+    "Prefix-cache sends to resuming peers that failed in transfer, by error",
+    *_W,
+    "error",
 )
 WORKER_CHECKPOINT_LEASE_EXPIRIES = _spec(
     "pdserve_worker_checkpoint_lease_expiries_total",

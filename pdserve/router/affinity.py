@@ -130,6 +130,20 @@ class AffinityPolicy:
         cost = self.config.prefix_weight * missing + self.config.load_weight * busy
         return Score(w.url, matched, missing, busy, cost)
 
+    def cache_holders(
+        self, workers: Sequence[WorkerView], token_ids: Sequence[int], exclude: Collection[str]
+    ) -> list[str]:
+        """Workers the index says hold leading blocks of `token_ids`, the most first (a
+        resume's cache sources; the index may be stale, the source's own lookup decides)."""
+        found: list[tuple[int, str]] = []
+        for w in workers:
+            if w.url in exclude or w.health is None:
+                continue
+            matched = self.index.match(w.url, prefix_block_hashes(list(token_ids), _size(w)))
+            if matched:
+                found.append((matched, w.url))
+        return [url for _, url in sorted(found, key=lambda f: -f[0])]
+
     def num_matched_tokens(self, w: WorkerView, query: RouteQuery) -> int:
         """Leading prompt tokens `w` is believed to hold (whole blocks)."""
         if w.health is None:

@@ -3,7 +3,10 @@
 The holder is another decode-capable worker of the same compatible group (its host tier
 takes KV of this fingerprint), never the decoding worker itself, the least loaded first; a
 migrated request keeps its holder when it can, so the new decode worker pulls from it and
-takes the held blocks over instead of sending them again.
+takes the held blocks over instead of sending them again. A resume is also told which
+workers' prefix caches may hold the request's leading blocks (the KV-event index's holders,
+then its prefill worker): the new decode worker pulls from whichever holds the most, so a
+dead holder, or one still behind, costs only the blocks nobody has.
 """
 
 from __future__ import annotations
@@ -41,12 +44,35 @@ def plan(recovery: RecoveryConfig, holder: str | None) -> CheckpointPlan | None:
 def resume_on(recovery: RecoveryConfig, holder: str | None) -> str | None:
     """The worker a migration should try first: the request's holder (nearest cache first:
     it resumes from its own tier, nothing travels); None: no preference."""
-    return holder if source(recovery, holder) is not None else None
-
-
-def source(recovery: RecoveryConfig, holder: str | None) -> CheckpointSource | None:
-    """Where a resume finds the request's latest checkpoint (None: nowhere, or off). The
-    holder may be the resuming worker itself: its own tier is the nearest copy."""
     if holder is None or not CheckpointPolicy.parse(recovery.checkpoint).enabled:
         return None
-    return CheckpointSource(holder_url=holder)
+    return holder
+
+
+# Cache sources named to a resume: each costs the resuming worker one lookup call.
+MAX_CACHE_SOURCES = 3
+
+
+def cache_sources(
+    index_holders: Sequence[str], prefill_url: str | None, exclude: Collection[str]
+) -> list[str]:
+    """Workers whose prefix caches a resume should ask: those the KV-event index says hold
+    the most of the request's blocks, then its prefill worker (which computed the prompt's
+    KV and may still cache it even where the index has not caught up)."""
+    urls = [u for u in index_holders if u not in exclude]
+    if prefill_url is not None and prefill_url not in exclude and prefill_url not in urls:
+        urls.append(prefill_url)
+    return urls[:MAX_CACHE_SOURCES]
+
+
+def source(
+    recovery: RecoveryConfig, holder: str | None, caches: Sequence[str] = ()
+) -> CheckpointSource | None:
+    """Where a resume finds the request's KV: its latest checkpoint and the prefix caches
+    that may hold its leading blocks (None: nowhere, or checkpoints off). The holder may be
+    the resuming worker itself: its own tier is the nearest copy."""
+    if not CheckpointPolicy.parse(recovery.checkpoint).enabled:
+        return None
+    if holder is None and not caches:
+        return None
+    return CheckpointSource(holder_url=holder, cache_urls=list(caches))

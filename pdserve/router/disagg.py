@@ -106,6 +106,8 @@ class _Run:
     num_resumes: int = 0
     # The worker holding the current leg's decode checkpoints (None: none).
     holder: str | None = None
+    # The worker that computed the prompt's KV (its prefix cache may still hold it).
+    first_prefill_url: str | None = None
 
 
 class _StepFailed(Exception):
@@ -253,6 +255,7 @@ class DisaggFlow:
         run.leg = leg
         result = await self._prefill(run, leg)
         run.decode_url, run.prefill_url = leg.decode_url, leg.prefill_url
+        run.first_prefill_url = run.first_prefill_url or leg.prefill_url
         timeline.advance(S.PREFILLED, f"first_token={result.first_token_id}")
         if not run.sent:
             finish = self._first_token_finishes(request, result.first_token_id)
@@ -401,7 +404,16 @@ class DisaggFlow:
         rid = f"{request.request_id}.m{run.num_resumes}"
         timeline.advance(S.ROUTED, f"{label} to {url} after {len(run.sent)} tokens")
         recovery = self._recovery
-        source = checkpoint_plan.source(recovery, run.holder if run.sent else None)
+        source = None
+        if run.sent:
+            tokens = [*request.prompt_token_ids, *run.sent]
+            views = self._pool.snapshot()
+            # The resuming worker counts its own cache itself; dead ones are never asked.
+            skip = {url, *run.failed_decode, *run.failed_prefill}
+            caches = checkpoint_plan.cache_sources(
+                self._affinity.cache_holders(views, tokens, skip), run.first_prefill_url, skip
+            )
+            source = checkpoint_plan.source(recovery, run.holder, caches)
         run.holder = checkpoint_plan.choose_holder(
             self._pool.snapshot(), url, keep=run.holder, exclude=run.failed_decode
         )

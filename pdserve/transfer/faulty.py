@@ -196,11 +196,13 @@ class InjectorStream(_SendFaultStream):
     The rule's bytes-level actions are applied as `FaultyStream` applies a plan's; crash kills
     the process. Unlike a `FaultyStream`, the hit count is the injector's, shared by every
     stream of the process, so `after=N` means after N sends of any transfer.
+    `fired` says whether any rule acted on this stream (a pool must then not reuse it).
     """
 
     def __init__(self, inner: ByteStream, faults: FaultInjector) -> None:
         self.inner = inner
         self._faults = faults
+        self.fired = False
 
     async def send(self, buffers: Sequence[Buffer]) -> None:
         """Send through `inner`, unless the injector fires a rule on this send."""
@@ -210,6 +212,7 @@ class InjectorStream(_SendFaultStream):
         if rule is None:
             await self.inner.send(views)
             return
+        self.fired = True
         if rule.action is FaultKind.CRASH:
             crash(rule)
         action = rule.action

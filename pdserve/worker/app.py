@@ -62,6 +62,7 @@ from pdserve.worker.kv_inbox import KVInbox, Received
 from pdserve.worker.kv_outbox import Destination, KVOutbox, parse_destination
 from pdserve.worker.lease_keeper import LeaseKeeper
 from pdserve.worker.observe_routes import ObserveRoutes
+from pdserve.worker.prefix_source import PrefixCacheSource
 from pdserve.worker.protocol import (
     CheckpointPlan,
     DecodeRequest,
@@ -147,6 +148,7 @@ class WorkerAPI:
         local_transports: tuple[Transport, ...] = ("tcp",),
         kv_streams: KVEventStreams | None = None,
         checkpoints: CheckpointService | None = None,
+        cache_source: PrefixCacheSource | None = None,
     ) -> None:
         self.config = config
         self.worker_id = config.worker_id
@@ -173,6 +175,8 @@ class WorkerAPI:
         self.kv_streams = kv_streams
         # Decode checkpoints: holder, replicas, resume pulls (None: a prefill-only worker).
         self.checkpoints = checkpoints
+        # This worker's prefix cache as a resume's source (/cache/*; None: caching off).
+        self.cache_source = cache_source
 
     def app(self) -> web.Application:
         """The application with every route of the protocol (+ /admin/faults if enabled)."""
@@ -199,6 +203,8 @@ class WorkerAPI:
             app.add_routes([web.post("/kv_events", self.kv_streams.handle)])
         if self.checkpoints is not None:
             app.add_routes(self.checkpoints.routes())
+        if self.cache_source is not None:
+            app.add_routes(self.cache_source.routes())
         if self.config.enable_fault_admin:
             app.add_routes(
                 [

@@ -9,6 +9,10 @@
                    POST /checkpoint/release CheckpointOwner    -> CheckpointReleased
     D2 -> H        POST /checkpoint/lookup  CheckpointLookup   -> CheckpointFound
                    POST /checkpoint/send    CheckpointSend     -> CheckpointSent
+    D2 -> any      POST /cache/lookup       CheckpointLookup   -> CheckpointFound
+                   POST /cache/send         CheckpointSend     -> CheckpointSent
+                   (the same two calls answered from a worker's prefix cache: any worker,
+                   the request's prefill worker included, `worker/prefix_source.py`)
 
 Blocks are named by their tokens (the holder derives the chained hashes itself, so a key can
 never disagree with the tokens it claims); the KV bytes travel over the KV transports with

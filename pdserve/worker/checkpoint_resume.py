@@ -1,21 +1,25 @@
-"""A resumed request's first step: pull the longest checkpointed prefix of its KV.
+"""A resumed request's first step: pull the longest stored prefix of its KV.
 
 When the router migrates a request whose decode worker died, it tells the new decode worker
-where the request's checkpoint is (`GenerateRequest.checkpoint_from`). Before the ordinary
-`/generate` runs, this worker:
+where the request's KV may be (`GenerateRequest.checkpoint_from`: the checkpoint holder, and
+workers whose prefix caches may hold leading blocks of it, such as its prefill worker).
+Before the ordinary `/generate` runs, this worker:
 
     1. counts the leading full blocks its own prefix cache already holds (nearest cache
        first: nothing travels for those);
-    2. asks the holder (/checkpoint/lookup) how many leading blocks of prompt + output it
-       holds; fewer than the local ones: nothing to pull;
-    3. allocates fresh blocks for them and expects their transfer (a plan naming the blocks'
-       tokens: the transfer checks count, token digest, fingerprint and every chunk's
-       checksum), then asks the holder to send them to a reservation signed with the
-       cluster's key (/checkpoint/send; the holder checks version, fingerprint and checksum
-       of every block before it sends, and refuses a bad one);
-    4. verified: the blocks are registered in the prefix cache and freed to it, so the
-       request's admission finds them cached and recomputes only the tokens after them.
-       Anything else: the writer is fenced, the blocks freed unregistered, and the request
+    2. asks the holder (/checkpoint/lookup) and each cache source (/cache/lookup), at once,
+       how many leading blocks of prompt + output they hold; none more than the local ones:
+       nothing to pull;
+    3. from the longest (the holder on a tie): allocates fresh blocks and expects their
+       transfer (a plan naming the blocks' tokens: the transfer checks count, token digest,
+       fingerprint and every chunk's checksum), then asks the source to send them to a
+       reservation signed with the cluster's key (/checkpoint/send or /cache/send; the holder
+       checks version, fingerprint and checksum of every block before it sends, a cache
+       source copies its blocks and their value digest in one engine command);
+    4. verified (and checked by value where a digest came): the blocks are registered in the
+       prefix cache and freed to it, so the request's admission finds them cached and
+       recomputes only the tokens after them. Anything else: the writer is fenced, the blocks
+       freed unregistered, and the next source is tried; when none is left the request
        recomputes everything, as without checkpoints.
 
 Every outcome is a `Pull` (path and reason: the metric's labels). It never raises: a resume
@@ -32,7 +36,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdserve.engine.canary import CanaryMatch, ValueDigest, compare
 from pdserve.engine.engine import Engine
@@ -58,8 +62,19 @@ _PULL_EPOCH = 0
 
 class Path(enum.Enum):
     CHECKPOINT = "checkpoint"  # blocks pulled from the holder
+    PEER_CACHE = "peer_cache"  # blocks pulled from another worker's prefix cache
     LOCAL = "local"  # this worker's prefix cache had at least as much
     RECOMPUTE = "recompute"  # nothing usable: recompute everything
+
+
+@dataclass(frozen=True, slots=True)
+class _Offer:
+    """One source's answer to a lookup: how many leading blocks it can send."""
+
+    path: Path  # CHECKPOINT (a holder's tier) or PEER_CACHE (a worker's prefix cache)
+    url: str
+    num_blocks: int
+    source_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +84,8 @@ class Pull:
     path: Path
     # Why (a bounded label): "ok" (pulled), "own_tier" (this worker held it: copied in
     # process, no transfer), "none_held", "no_prefix_cache", "canary" (the value check
-    # failed or had no digest), "holder_unreachable", "refused_<reason>",
-    # "no_room", "transfer_failed".
+    # failed or had no digest), "holder_unreachable", "refused", "holder_error",
+    # "cache_unreachable", "cache_refused", "cache_error", "no_room", "transfer_failed".
     reason: str
     num_blocks: int = 0
     num_bytes: int = 0
@@ -120,7 +135,8 @@ class CheckpointPuller:
         adopt_owner: str | None = None,
         lease_ttl_s: float = 30.0,
     ) -> Pull:
-        """Bring the longest checkpointed prefix of `token_ids` into the prefix cache."""
+        """Bring the longest stored prefix of `token_ids` (the holder's checkpoint or a
+        peer's prefix cache, whichever holds more) into this worker's prefix cache."""
         start = time.monotonic()
         info = self._info
         bs = info.block_size
@@ -136,16 +152,62 @@ class CheckpointPuller:
             fingerprint_digest=info.fingerprint_digest,
             require_value_digest=self._require_canary,
         )
-        try:
-            found = await self._peers.post(
-                source.holder_url, "/checkpoint/lookup", lookup, CheckpointFound
-            )
-        except PeerCallError as exc:
-            return Pull(Path.RECOMPUTE, _reason(exc))
-        num_blocks = min(found.num_blocks, usable)
-        if num_blocks <= local:
+        offers, failure = await self._offers(source, lookup, usable)
+        better = [o for o in offers if o.num_blocks > local]
+        if not better:
+            if failure is not None and not offers:
+                return failure
             return Pull(Path.LOCAL if local else Path.RECOMPUTE, "none_held", local)
-        import_id = f"{request_id}#checkpoint"
+        # Longest first (the holder first on a tie: its blocks can be adopted); a source that
+        # fails hands over to the next, and the last failure is the answer.
+        result = Pull(Path.RECOMPUTE, "none_held")
+        for offer in sorted(better, key=lambda o: -o.num_blocks):
+            result = await self._pull_from(offer, request_id, token_ids, adopt_owner, lease_ttl_s)
+            if result.path is not Path.RECOMPUTE:
+                return replace(result, seconds=time.monotonic() - start)
+        return result
+
+    async def _offers(
+        self, source: CheckpointSource, lookup: CheckpointLookup, usable: int
+    ) -> tuple[list[_Offer], Pull | None]:
+        """Ask the holder and every cache source at once how many leading blocks each has;
+        the answers (holder first) and the holder's failure, if it failed."""
+        asks: list[tuple[Path, str]] = []
+        if source.holder_url is not None:
+            asks.append((Path.CHECKPOINT, source.holder_url))
+        asks += [(Path.PEER_CACHE, url) for url in source.cache_urls if url != source.holder_url]
+
+        async def ask(path: Path, url: str) -> CheckpointFound:
+            route = "/checkpoint/lookup" if path is Path.CHECKPOINT else "/cache/lookup"
+            return await self._peers.post(url, route, lookup, CheckpointFound)
+
+        answers = await asyncio.gather(*(ask(p, u) for p, u in asks), return_exceptions=True)
+        offers: list[_Offer] = []
+        failure: Pull | None = None
+        for (path, url), answer in zip(asks, answers, strict=True):
+            if isinstance(answer, PdserveError):
+                if failure is None:
+                    failure = Pull(Path.RECOMPUTE, _reason(answer, path))
+                continue
+            if isinstance(answer, BaseException):
+                raise answer
+            offers.append(_Offer(path, url, min(answer.num_blocks, usable), answer.holder_id))
+        return offers, failure
+
+    async def _pull_from(
+        self,
+        offer: _Offer,
+        request_id: str,
+        token_ids: list[int],
+        adopt_owner: str | None,
+        lease_ttl_s: float,
+    ) -> Pull:
+        """Pull the offer's blocks over the KV transport (or copy this worker's own tier)."""
+        start = time.monotonic()
+        info = self._info
+        num_blocks = offer.num_blocks
+        holder = offer.path is Path.CHECKPOINT
+        import_id = f"{request_id}#{offer.path.value}"
         # Cancelled mid-command (the client left): the allocation is freed, not leaked.
         views = await self._engine.call(
             lambda e: e.import_begin(import_id, num_blocks),
@@ -153,8 +215,8 @@ class CheckpointPuller:
         )
         if views is None:
             return Pull(Path.RECOMPUTE, "no_room")
-        prefix = token_ids[: num_blocks * bs]
-        if self._store is not None and found.holder_id == self._store.holder_id:
+        prefix = token_ids[: num_blocks * info.block_size]
+        if holder and self._store is not None and offer.source_id == self._store.holder_id:
             return await self._copy_own(import_id, views, prefix, adopt_owner, lease_ttl_s, start)
         verified = asyncio.Event()
         transfer_id, capability = os.urandom(16), os.urandom(16)
@@ -187,28 +249,26 @@ class CheckpointPuller:
                 reservation=sign_reservation(
                     self._key, reservation, None, time.time() + self._timeout_s
                 ),
-                adopt_owner=adopt_owner,
+                adopt_owner=adopt_owner if holder else None,
                 lease_ttl_s=lease_ttl_s,
             )
+            route = "/checkpoint/send" if holder else "/cache/send"
             try:
                 async with asyncio.timeout(self._timeout_s):
                     sent = await self._peers.post(
-                        source.holder_url,
-                        "/checkpoint/send",
-                        body,
-                        CheckpointSent,
-                        timeout_s=self._timeout_s,
+                        offer.url, route, body, CheckpointSent, timeout_s=self._timeout_s
                     )
                     await verified.wait()
             except PeerCallError as exc:
-                return Pull(Path.RECOMPUTE, _reason(exc))
+                return Pull(Path.RECOMPUTE, _reason(exc, offer.path))
             except TimeoutError:
                 return Pull(Path.RECOMPUTE, "transfer_failed")
             digest = incoming.session.value_digest if incoming.session is not None else b""
             if not await self._value_ok(import_id, prefix, digest):
                 return Pull(Path.RECOMPUTE, "canary")
             ok = True
-            return Pull(Path.CHECKPOINT, "ok", num_blocks, sent.num_bytes, time.monotonic() - start)
+            seconds = time.monotonic() - start
+            return Pull(offer.path, "ok", num_blocks, sent.num_bytes, seconds)
         finally:
             # Shielded as one: a cancelled caller (the client left) must neither free blocks
             # a writer can still land bytes in nor leave them allocated.
@@ -282,11 +342,13 @@ class CheckpointPuller:
         return match is not CanaryMatch.MISMATCH
 
 
-def _reason(exc: PdserveError) -> str:
-    """A bounded label for a failed holder call."""
+def _reason(exc: PdserveError, path: Path = Path.CHECKPOINT) -> str:
+    """A bounded label for a failed call to a holder (or, with `path` PEER_CACHE, to a cache
+    source: "cache_unreachable", "cache_refused", "cache_error")."""
+    prefix = "holder" if path is Path.CHECKPOINT else "cache"
     if isinstance(exc, PeerCallError):
         if exc.status == 0:
-            return "holder_unreachable"
+            return f"{prefix}_unreachable"
         if exc.error_type == "CheckpointRefused":
-            return "refused"
-    return "holder_error"
+            return "refused" if path is Path.CHECKPOINT else "cache_refused"
+    return f"{prefix}_error"

@@ -308,8 +308,10 @@ class KVOutbox:
                 return stream if faults is None else InjectorStream(stream, faults)
 
             async def release(stream: ByteStream, ok: bool) -> None:
-                inner = stream.inner if isinstance(stream, InjectorStream) else stream
-                await pool.release(transport, address, inner, ok and faults is None)
+                # A stream a fault acted on is in an unknown state: closed, never reused.
+                if isinstance(stream, InjectorStream):
+                    ok, stream = ok and not stream.fired, stream.inner
+                await pool.release(transport, address, stream, ok)
 
             num_bytes = sum(view.nbytes for view in blocks)
             self._record(

@@ -130,6 +130,8 @@ class ObserveRoutes:
         text += "\n".join(self.transport_stats().render(api.worker_id)) + "\n"
         if api.checkpoints is not None:
             text += api.checkpoints.render(api.worker_id)
+        if api.cache_source is not None:
+            text += api.cache_source.render(api.worker_id)
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
     async def debug_request(self, request: web.Request) -> web.Response:

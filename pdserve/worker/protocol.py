@@ -323,9 +323,11 @@ class CheckpointPlan(_Model):
 
 
 class CheckpointSource(_Model):
-    """Where a resumed request's latest checkpoint is held."""
+    """Where a resumed request's KV may be found: its checkpoint holder, and workers whose
+    prefix caches may hold leading blocks of it (nearest cache first: the longest wins)."""
 
-    holder_url: str
+    holder_url: str | None = None
+    cache_urls: list[str] = Field(default_factory=list, max_length=8)
 
 
 class DecodeRequest(_Model):

@@ -40,6 +40,7 @@ from pdserve.worker.kv_events import KVEventStreams
 from pdserve.worker.kv_inbox import KVInbox
 from pdserve.worker.kv_outbox import KVOutbox
 from pdserve.worker.lease_keeper import LeaseKeeper
+from pdserve.worker.prefix_source import PrefixCacheSource
 from pdserve.worker.transport_stats import TransportStats
 
 # Seconds in-flight HTTP handlers get to finish when the worker stops.
@@ -70,6 +71,7 @@ class Worker:
         self.inbox: KVInbox | None = None
         self.outbox: KVOutbox | None = None
         self.checkpoints: CheckpointService | None = None
+        self.cache_source: PrefixCacheSource | None = None
         # Fault injection exists only when asked for; None keeps every site a no-op.
         self.faults: FaultInjector | None = None
         if config.faults or config.enable_fault_admin:
@@ -125,6 +127,9 @@ class Worker:
                 cluster_key=c.kv_key,
                 stats=stats,
             )
+        if c.engine.enable_prefix_caching:
+            # Any worker's cached prefix can spare a resuming peer its recomputation.
+            self.cache_source = PrefixCacheSource(c, info, self.engine, transports)
         http_key = c.http_key
         api = WorkerAPI(
             c,
@@ -139,6 +144,7 @@ class Worker:
             local_transports=transports,
             kv_streams=self.kv_streams,
             checkpoints=self.checkpoints,
+            cache_source=self.cache_source,
         )
         # handler_cancellation: a client that disconnects cancels its handler, whose cleanup
         # aborts the request in the engine.
@@ -197,6 +203,8 @@ class Worker:
             self._session = None
         if self.checkpoints is not None:
             await self.checkpoints.aclose()
+        if self.cache_source is not None:
+            await self.cache_source.aclose()
         if self.inbox is not None:
             await self.inbox.aclose()
         await self.leases.aclose()

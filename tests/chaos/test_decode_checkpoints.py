@@ -5,7 +5,8 @@ its holder kept, not by recomputing, and the client's text equals the fault-free
 Each case asserts from the resuming worker's /metrics that it pulled the checkpoint and
 recomputed fewer tokens than one KV block, and that one checkpoint lease TTL later no worker
 holds anything for the request (engine blocks or checkpoint blocks). A holder killed while
-the request decodes costs the request nothing.
+the request decodes costs the request nothing; a holder and then the decoder killed (faults
+overlapping) resume from the prefill worker's prefix cache instead of recomputing the prompt.
 """
 
 from __future__ import annotations
@@ -231,4 +232,51 @@ def test_holder_death_never_fails_the_request(
         if h is not killed[0]
     ]
     assert any(failures), f"the decoder never noticed its holder died: {failures}"
+    wait_clean(handles, CHECKPOINT_TTL_S + 2)
+
+
+def test_holder_then_decoder_death_resumes_from_the_prefill_workers_cache(
+    cluster3: tuple[str, list[WorkerHandle]],
+) -> None:
+    """Overlapping faults: the holder dies, then the decoder. The checkpoint is gone, but the
+    prompt's KV is still in a prefix cache (the prefill worker's): the resume pulls it from
+    there and recomputes only the generated tokens, not the prompt."""
+    url, handles = cluster3
+    decodes = [h for h in handles if h.role == "decode"]
+    body = {**BODY, "temperature": 0.9, "seed": 5}
+    reference, _ = stream_tokens(url, body)
+    killed: list[WorkerHandle] = []
+
+    def kill_holder_then_decoder(num_chunks: int) -> None:
+        if num_chunks == 40 and not killed:
+            holder = next(
+                (h for h in decodes if metrics(h.url).get("pdserve_worker_checkpoint_owners", 0)),
+                None,
+            )
+            if holder is not None:
+                os.kill(holder.pid, signal.SIGKILL)
+                holder.proc.wait(5)
+                killed.append(holder)
+        elif num_chunks == 120 and len(killed) == 1:
+            victim = busy_decoder(url, decodes)
+            if victim is not None and victim is not killed[0]:
+                os.kill(victim.pid, signal.SIGKILL)
+                victim.proc.wait(5)
+                killed.append(victim)
+
+    pieces, finish = stream_tokens(url, body, kill_holder_then_decoder)
+    assert len(killed) == 2, "the holder and then the decoder were due to be killed"
+    assert finish == "length" and "".join(pieces) == "".join(reference)
+    (survivor,) = [h for h in decodes if h not in killed]
+    m = metrics(survivor.url)
+    resumes = {k: v for k, v in m.items() if k.startswith("pdserve_worker_checkpoint_resumes")}
+    # Its own cache may hold the prompt (it served the reference run): then nothing travels.
+    from_cache = sum(v for k, v in resumes.items() if "path=peer_cache," in k or "path=local," in k)
+    assert from_cache == 1, resumes
+    restored = m["pdserve_worker_checkpoint_resumed_tokens_total"]
+    recomputed = m["pdserve_worker_checkpoint_recomputed_tokens_total"]
+    # The prompt (more than 48 tokens) came back whole: at least its three full blocks.
+    assert recomputed <= restored - 3 * BLOCK_SIZE, f"{recomputed} of {restored} recomputed"
+    if "pdserve_worker_checkpoint_resumes_total{path=peer_cache,reason=ok}" in resumes:
+        assert m["pdserve_worker_checkpoint_pulled_bytes_total"] > 0
     wait_clean(handles, CHECKPOINT_TTL_S + 2)

@@ -239,3 +239,44 @@ def test_a_checkpoint_whose_values_are_wrong_fails_its_canary_and_is_recomputed(
     recomputed = "pdserve_worker_checkpoint_recomputed_tokens_total"
     assert after[recomputed] - before.get(recomputed, 0) == len(prompt) + 26
     assert post(f"{holder.url}/checkpoint/release", {"owner": "writer-2"})[0] == 200
+
+
+def test_a_resume_pulls_from_a_peers_prefix_cache_when_the_holder_is_gone(
+    trio: tuple[WorkerHandle, WorkerHandle, WorkerHandle],
+) -> None:
+    """Nearest cache first: the holder is unreachable and X's cache is of another layout, but
+    P's prefix cache holds the request's blocks (P served it before: a prefill worker, say).
+    D pulls them from P over the KV transport, checks them by value, recomputes only the
+    tokens after them and returns the same tokens."""
+    decode, peer, other = trio
+    prompt = list(range(700, 770))  # not in D's prefix cache yet
+    reference = generate(peer.url, "peer-reference", [], prompt)
+    sent = reference[:20]
+    num_tokens = len(prompt) + len(sent)  # 90: five full blocks and 10 tokens
+    before, peer_before = metrics(decode.url), metrics(peer.url)
+    source = {"holder_url": "http://127.0.0.1:9", "cache_urls": [other.url, peer.url]}
+    rest = generate(decode.url, "resume-from-cache", sent, prompt, checkpoint_from=source)
+    assert rest == reference[20:]
+    after, peer_after = metrics(decode.url), metrics(peer.url)
+
+    def grew(key: str, a: dict[str, float] = after, b: dict[str, float] = before) -> float:
+        return a.get(key, 0) - b.get(key, 0)
+
+    assert grew("pdserve_worker_checkpoint_resumes_total{path=peer_cache,reason=ok}") == 1
+    checked = grew("pdserve_worker_checkpoint_canary_total{result=exact}") + grew(
+        "pdserve_worker_checkpoint_canary_total{result=tolerance}"
+    )
+    assert checked == 1  # the source sent the value digest of the last pulled position
+    assert grew("pdserve_worker_checkpoint_recomputed_tokens_total") == num_tokens - 5 * 16
+    block_bytes = int(peer_after["pdserve_worker_cache_source_sent_bytes_total"]) - int(
+        peer_before.get("pdserve_worker_cache_source_sent_bytes_total", 0)
+    )
+    assert grew("pdserve_worker_checkpoint_pulled_bytes_total") == block_bytes > 0
+    sent_blocks = "pdserve_worker_cache_source_sent_blocks_total"
+    assert grew(sent_blocks, peer_after, peer_before) == 5
+    # X's engine is of another layout: it refused the lookup and was never asked to send.
+    assert metrics(other.url)["pdserve_worker_cache_source_refusals_total{reason=fingerprint}"] >= 1
+    assert (
+        grew("pdserve_worker_checkpoint_resumes_total{path=recompute,reason=holder_unreachable}")
+        == 0
+    )

@@ -14,12 +14,19 @@ from pydantic import ValidationError
 from pdserve.checkpoint.host_tier import HostTier
 from pdserve.engine.block_manager import prefix_block_hashes
 from pdserve.errors import CheckpointRefused, PeerCallError
-from pdserve.router.checkpoint_plan import choose_holder, plan, resume_on, source
+from pdserve.router.checkpoint_plan import (
+    MAX_CACHE_SOURCES,
+    cache_sources,
+    choose_holder,
+    plan,
+    resume_on,
+    source,
+)
 from pdserve.router.config import RecoveryConfig
 from pdserve.router.policy import WorkerView
 from pdserve.transfer.receiver import IncomingTransfer
 from pdserve.worker.checkpoint_protocol import CheckpointLookup, CheckpointPut, CheckpointSend
-from pdserve.worker.checkpoint_resume import _reason
+from pdserve.worker.checkpoint_resume import Path, _reason
 from pdserve.worker.checkpoint_store import CheckpointStore
 from pdserve.worker.engine_loop import EngineInfo
 from pdserve.worker.kv_outbox import Destination
@@ -235,6 +242,26 @@ def test_holder_failures_map_to_bounded_reasons() -> None:
     assert _reason(PeerCallError("h", 0, "", "refused")) == "holder_unreachable"
     assert _reason(PeerCallError("h", 409, "CheckpointRefused", "x")) == "refused"
     assert _reason(PeerCallError("h", 500, "EngineError", "x")) == "holder_error"
+    cache = Path.PEER_CACHE
+    assert _reason(PeerCallError("c", 0, "", "refused"), cache) == "cache_unreachable"
+    assert _reason(PeerCallError("c", 409, "CheckpointRefused", "x"), cache) == "cache_refused"
+    assert _reason(PeerCallError("c", 500, "EngineError", "x"), cache) == "cache_error"
+
+
+def test_a_resume_asks_the_index_holders_then_the_prefill_worker_never_a_dead_one() -> None:
+    # The index's holders, most first, then the prefill worker; the dead and the resuming
+    # worker are never named, nor anyone twice, and the list is bounded.
+    assert cache_sources(["d2", "d1"], "p", exclude={"d1"}) == ["d2", "p"]
+    assert cache_sources(["p", "d2"], "p", exclude=()) == ["p", "d2"]
+    assert cache_sources([], "p", exclude={"p"}) == []
+    many = [f"w{i}" for i in range(10)]
+    assert cache_sources(many, "p", exclude=()) == many[:MAX_CACHE_SOURCES]
+    on, off = RecoveryConfig(checkpoint="every-2"), RecoveryConfig()
+    both = source(on, "h", ["p"])
+    assert both is not None and (both.holder_url, both.cache_urls) == ("h", ["p"])
+    only_cache = source(on, None, ["p"])  # the holder is gone: the caches still help
+    assert only_cache is not None and only_cache.holder_url is None
+    assert source(on, None, []) is None and source(off, "h", ["p"]) is None
 
 
 def test_a_plan_with_an_unknown_policy_is_bad_input_naming_the_field() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.engine.block_manager import prefix_block_hashes
 from pdserve.errors import ConfigError
 from pdserve.router.affinity import AffinityPolicy, RouteQuery
 from pdserve.router.config import AffinityConfig
@@ -240,3 +241,19 @@ def test_sessions_are_bounded_lru() -> None:
 def test_config_rejects_bad_values(bad: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         AffinityConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_a_resumes_cache_holders_come_from_the_index_most_blocks_first() -> None:
+    pool = [view(0), view(1), view(2), view(3)]
+    policy = AffinityPolicy()
+    policy.index.insert("http://w1", prefix_block_hashes(HISTORY, BS)[:2], capacity=100)
+    policy.index.insert("http://w2", prefix_block_hashes(HISTORY, BS), capacity=100)
+    policy.index.insert("http://w3", prefix_block_hashes(NEXT[:16] + [1] * 48, BS), capacity=100)
+    # w3 holds the first block too (the same 16 tokens), fewer than w2 and w1.
+    assert policy.cache_holders(pool, HISTORY, exclude=()) == [
+        "http://w2",
+        "http://w1",
+        "http://w3",
+    ]
+    assert policy.cache_holders(pool, HISTORY, exclude={"http://w2"}) == ["http://w1", "http://w3"]
+    assert policy.cache_holders(pool, list(range(900, 964)), exclude=()) == []

@@ -29,7 +29,7 @@ def test_a_migration_names_its_checkpoint_and_a_new_holder(tiny_model_path: Path
             resp = await client.post("/v1/completions", json=completion(6))
             assert resp.status == 200, await resp.json()
             urls = {w.url for w in workers}
-            spare_url, holder_url = spare.url, holder.url
+            spare_url, holder_url, prefill_url = spare.url, holder.url, prefill.url
         assert len(urls) == 4
         (decode,) = dying.bodies
         assert isinstance(decode, DecodeRequest) and decode.checkpoint is not None
@@ -40,6 +40,8 @@ def test_a_migration_names_its_checkpoint_and_a_new_holder(tiny_model_path: Path
         assert isinstance(resumed, GenerateRequest) and len(resumed.output_token_ids) == 3
         assert resumed.checkpoint_from is not None
         assert resumed.checkpoint_from.holder_url == spare_url  # it resumes on its own copy
+        # The prefill worker computed the prompt's KV: its prefix cache is a source too.
+        assert resumed.checkpoint_from.cache_urls == [prefill_url]
         # The resumed leg needs a new holder: never the worker it runs on.
         assert resumed.checkpoint is not None and resumed.checkpoint.holder_url == holder_url
         assert not holder.bodies

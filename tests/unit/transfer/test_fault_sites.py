@@ -63,6 +63,22 @@ async def sent_through(rules: list[str], messages: list[bytes]) -> tuple[bytes, 
     return await read_all(b), error
 
 
+def test_an_injector_stream_says_whether_a_rule_acted_on_it() -> None:
+    """A pool reuses a stream after a clean attempt only if no fault touched it."""
+
+    async def fired(rules: list[str]) -> bool:
+        a, b = memory_stream_pair()
+        stream = InjectorStream(a, FaultInjector(parse_rules(rules)))
+        await stream.send([b"x"])
+        await stream.aclose()
+        await b.aclose()
+        return stream.fired
+
+    assert run(lambda: fired([])) is False
+    assert run(lambda: fired(["transfer.send:delay:delay_s=0.001"])) is True
+    assert run(lambda: fired(["transfer.send:drop:after=5"])) is False
+
+
 def test_injector_stream_applies_each_byte_action_on_its_hit() -> None:
     messages = [b"hello", b"world", b"again"]
     assert run(lambda: sent_through([], messages)) == (b"helloworldagain", None)
