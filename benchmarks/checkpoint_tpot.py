@@ -2,13 +2,21 @@
 
 One local cluster (one prefill, two decode workers) and two routers over the same workers: one
 with `--checkpoint off`, one with `--checkpoint every-N` for each N asked. Rounds alternate the
-routers (off, on, off, on, ...) so both see the same workers, caches and machine noise; each
-round sends `--concurrency` streamed greedy completions at once (prompt `--prompt-tokens`,
+routers (off, on, off, on, ..., the first rotating each round) so all see the same workers and
+machine noise; each round sends `--concurrency` streamed greedy completions at once (prompt
+`--prompt-tokens` random ids of its own, never shared with another policy's round: a prompt
+cached by one policy would spare the next its prefill and change its decode batching;
 `--max-tokens` each). TPOT per request is (last token - first token) / (tokens - 1) at the
 client; the figure per policy is the median over its requests. Prints a table; `--json FILE`
 writes every figure and the ratio on/off (the target: at most 1.05).
 
+`--model-shape midsize` runs a ~100M-parameter random Llama-layout checkpoint written by
+transformers' `save_pretrained` (8 layers, hidden 1024, 16 heads of 64: 64 KiB of KV per token,
+1 MiB per block) instead of the 4M-parameter tiny model, so a decode step costs what a
+compute-bound step costs rather than mostly Python.
+
     .venv/bin/python benchmarks/checkpoint_tpot.py [--json tpot.json] [--rounds 4]
+        [--model-shape tiny|midsize]
 """
 
 from __future__ import annotations
@@ -29,8 +37,18 @@ from pdserve.auth.secret import ENV_VAR
 from pdserve.bench.chaos_cluster import ChaosCluster
 from pdserve.bench.chaos_scenarios import WorkerSpec
 from pdserve.bench.completion_client import stream_completion
+from pdserve.bench.kv_heavy_model import KVHeavyShape, build_kv_heavy_checkpoint
 from pdserve.supervise.process import Child, spawn_child, stop_children, wait_child_ready
 
+# A compute-bound decode step on this CPU (~100M parameters), KV of a small real model.
+MIDSIZE = KVHeavyShape(
+    num_layers=8,
+    num_kv_heads=16,
+    head_dim=64,
+    hidden_size=1024,
+    intermediate_size=2816,
+    max_position_embeddings=4096,
+)
 WORKERS = (
     WorkerSpec("prefill-0", "prefill"),
     WorkerSpec("decode-0", "decode"),
@@ -38,9 +56,13 @@ WORKERS = (
 )
 
 
-def start_router(cluster: ChaosCluster, policy: str, workdir: Path) -> Child:
+def start_router(
+    cluster: ChaosCluster, policy: str, workdir: Path, model: str | None = None
+) -> Child:
     """Another router over the cluster's workers, with `--checkpoint policy`."""
     args = ["pdserve.router.main", "--host", "127.0.0.1", "--port", "0", "--checkpoint", policy]
+    if model is not None:
+        args += ["--model", model]
     args += ["--local-prefill-threshold", "0"]
     for name in cluster.workers:
         args += ["--worker", cluster.url(name)]
@@ -94,6 +116,7 @@ def main() -> int:
     parser.add_argument(
         "--kv-transport", default="auto", help="the workers' --kv-transport (auto, tcp, ...)"
     )
+    parser.add_argument("--model-shape", choices=("tiny", "midsize"), default="tiny")
     args = parser.parse_args()
     # "off" first (the cluster's own router); a second "off" measures the noise floor.
     policies = ["off", *(f"{p}#{i}" for i, p in enumerate(args.policies.split(","), 1))]
@@ -102,21 +125,26 @@ def main() -> int:
         workers = tuple(
             WorkerSpec(w.name, w.role, ("--kv-transport", args.kv_transport)) for w in WORKERS
         )
-        cluster = ChaosCluster(workers, ("--checkpoint", "off"), workdir)
+        model_path = None
+        if args.model_shape == "midsize":
+            model_path = str(build_kv_heavy_checkpoint(workdir / "midsize", MIDSIZE))
+        cluster = ChaosCluster(workers, ("--checkpoint", "off"), workdir, model=model_path)
         routers: list[Child] = []
         results: dict[str, list[float]] = {p: [] for p in policies}
         try:
             cluster.start()
             urls = {"off": cluster.router_url}
             for policy in policies[1:]:
-                routers.append(start_router(cluster, policy.split("#")[0], workdir))
+                routers.append(start_router(cluster, policy.split("#")[0], workdir, model_path))
                 urls[policy] = routers[-1].url or ""
             model = cluster.model_name
             # Warm-up: every path once.
             for policy in policies:
                 asyncio.run(one_round(urls[policy], model, 1, 64, 16, seed=999))
             for r in range(args.rounds):
-                for policy in policies:
+                # Rotate which policy goes first, so none always follows another's tail.
+                shift = r % len(policies)
+                for i, policy in enumerate(policies[shift:] + policies[:shift]):
                     results[policy] += asyncio.run(
                         one_round(
                             urls[policy],
@@ -124,7 +152,10 @@ def main() -> int:
                             args.concurrency,
                             args.prompt_tokens,
                             args.max_tokens,
-                            seed=r,  # the same prompts for every policy in a round
+                            # Fresh prompts for every policy and round: no policy may find
+                            # another's prompts in the prefill worker's cache (a warm cache
+                            # on one side only), and every one computes its own prefills.
+                            seed=r * len(policies) + i,
                         )
                     )
         finally:
@@ -137,6 +168,7 @@ def main() -> int:
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
         "kv_transport": args.kv_transport,
+        "model_shape": args.model_shape,
         "policies": {},
     }
     print(f"{'checkpoint':<12} {'TPOT p50 ms':>12} {'p90 ms':>8} {'vs off':>8}")
