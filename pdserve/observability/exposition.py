@@ -111,6 +111,11 @@ def render_family(spec: MetricSpec, samples: Iterable[tuple[Labels, float]]) -> 
     return lines
 
 
+def by_label(base: Labels, label: str, counts: Mapping[str, float]) -> list[tuple[Labels, float]]:
+    """One sample per key of `counts` (a Counter of reasons, errors...), labelled `label`."""
+    return [({**base, label: key}, n) for key, n in sorted(counts.items())]
+
+
 def render_histograms(spec: MetricSpec, series: Iterable[tuple[Labels, Histogram]]) -> list[str]:
     """A histogram family: its header and each labelled histogram's lines."""
     lines = _header(spec)

@@ -25,7 +25,7 @@ from pdserve.checkpoint.host_tier import HostTier
 from pdserve.engine.engine import Engine, RequestDelta
 from pdserve.errors import RequestNotFound
 from pdserve.observability import metric_names as m
-from pdserve.observability.exposition import render_family
+from pdserve.observability.exposition import by_label, render_family
 from pdserve.observability.timeline_log import EventRing
 from pdserve.transfer.sender import SendPolicy
 from pdserve.worker.checkpoint_protocol import (
@@ -217,14 +217,14 @@ class CheckpointService:
             lines += render_family(spec, [(w, value)])
         lines += render_family(
             m.WORKER_CHECKPOINT_STREAM_FAILURES,
-            [({**w, "error": e}, n) for e, n in sorted(counters.failures.items())],
+            by_label(w, "error", counters.failures),
         )
         lines += render_family(
             m.WORKER_CHECKPOINT_CANARY,
-            [({**w, "result": r}, n) for r, n in sorted(self.canary_counts.items())],
+            by_label(w, "result", self.canary_counts),
         )
         lines += render_family(
             m.WORKER_CHECKPOINT_REFUSALS,
-            [({**w, "reason": r}, n) for r, n in sorted(tier.refused.items())],
+            by_label(w, "reason", tier.refused),
         )
         return "\n".join(lines) + "\n"

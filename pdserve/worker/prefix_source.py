@@ -31,7 +31,7 @@ from pdserve.engine.canary import ValueDigest
 from pdserve.engine.engine import Engine
 from pdserve.errors import CheckpointRefused, PdserveError
 from pdserve.observability import metric_names as m
-from pdserve.observability.exposition import render_family
+from pdserve.observability.exposition import by_label, render_family
 from pdserve.transfer.sender import SendPolicy
 from pdserve.worker.checkpoint_protocol import (
     CheckpointFound,
@@ -158,11 +158,11 @@ class PrefixCacheSource:
             lines += render_family(spec, [(w, value)])
         lines += render_family(
             m.WORKER_CACHE_SOURCE_REFUSALS,
-            [({**w, "reason": r}, n) for r, n in sorted(self.refused.items())],
+            by_label(w, "reason", self.refused),
         )
         lines += render_family(
             m.WORKER_CACHE_SOURCE_SEND_FAILURES,
-            [({**w, "error": e}, n) for e, n in sorted(self.send_failures.items())],
+            by_label(w, "error", self.send_failures),
         )
         return "\n".join(lines) + "\n"
 
