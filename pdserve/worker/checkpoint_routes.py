@@ -216,15 +216,10 @@ class CheckpointService:
         ):
             lines += render_family(spec, [(w, value)])
         lines += render_family(
-            m.WORKER_CHECKPOINT_STREAM_FAILURES,
-            by_label(w, "error", counters.failures),
+            m.WORKER_CHECKPOINT_STREAM_FAILURES, by_label(w, "error", counters.failures)
         )
         lines += render_family(
-            m.WORKER_CHECKPOINT_CANARY,
-            by_label(w, "result", self.canary_counts),
+            m.WORKER_CHECKPOINT_CANARY, by_label(w, "result", self.canary_counts)
         )
-        lines += render_family(
-            m.WORKER_CHECKPOINT_REFUSALS,
-            by_label(w, "reason", tier.refused),
-        )
+        lines += render_family(m.WORKER_CHECKPOINT_REFUSALS, by_label(w, "reason", tier.refused))
         return "\n".join(lines) + "\n"

@@ -156,13 +156,9 @@ class PrefixCacheSource:
             (m.WORKER_CACHE_SOURCE_SENT_BYTES, self.num_bytes_sent),
         ):
             lines += render_family(spec, [(w, value)])
+        lines += render_family(m.WORKER_CACHE_SOURCE_REFUSALS, by_label(w, "reason", self.refused))
         lines += render_family(
-            m.WORKER_CACHE_SOURCE_REFUSALS,
-            by_label(w, "reason", self.refused),
-        )
-        lines += render_family(
-            m.WORKER_CACHE_SOURCE_SEND_FAILURES,
-            by_label(w, "error", self.send_failures),
+            m.WORKER_CACHE_SOURCE_SEND_FAILURES, by_label(w, "error", self.send_failures)
         )
         return "\n".join(lines) + "\n"
 
