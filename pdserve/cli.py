@@ -13,6 +13,7 @@ recommendation). A bad flag or config value exits with status 2 and one line nam
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -529,6 +530,15 @@ def _expand_config(parser: argparse.ArgumentParser, argv: list[str]) -> list[str
     return ["up", *expand(argv[1:], sub)]
 
 
+def _exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit(143), so cleanups in `finally` blocks run."""
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `pdserve` script."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -540,6 +550,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PdserveError as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2
+    if args.command in ("bench", "advise", "chaos"):
+        # These start local clusters: a SIGTERM must run their `finally` (stop by PID), not
+        # leave the workers and routers behind.
+        _exit_on_sigterm()
     try:
         if args.command == "generate":
             return _cmd_generate(args)

@@ -56,3 +56,51 @@ def test_bench_engine_quick_writes_ratios(tiny_model_path: Path, tmp_path: Path)
     assert all(v > 0 for v in data["ratio_vs_transformers"].values())
     assert data["prefix_cache_ttft_speedup"] > 0
     assert "ratio" in r.stdout
+
+
+def _children(pid: int) -> list[int]:
+    """Live children of `pid` (from /proc: no `ps` dependency)."""
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(stat[1]) == pid and stat[0] != "Z":
+            kids.append(int(entry.name))
+    return kids
+
+
+def test_a_sigterm_stops_the_cluster_a_chaos_run_started(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """`pdserve chaos` (and bench, advise) stop every process they started when terminated,
+    by PID, instead of leaving workers behind."""
+    import signal
+    import time
+
+    env = {**os.environ, "PDSERVE_CACHE": str(tiny_model_path.parent), "TMPDIR": str(tmp_path)}
+    args = ["chaos", "--checkpoint-costs", "--contexts", "8192"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while len(kids := _children(proc.pid)) < 3:
+            assert proc.poll() is None, "the chaos run ended before its cluster started"
+            assert time.monotonic() < deadline, "no cluster within 120 s"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 15
+        while left := [k for k in kids if Path(f"/proc/{k}").exists()]:
+            assert time.monotonic() < deadline, f"left behind: {left}"
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
