@@ -7,6 +7,7 @@ recomputed fewer tokens than one KV block, and that one checkpoint lease TTL lat
 holds anything for the request (engine blocks or checkpoint blocks). A holder killed while
 the request decodes costs the request nothing; a holder and then the decoder killed (faults
 overlapping) resume from the prefill worker's prefix cache instead of recomputing the prompt.
+The official `openai` client sees the same streamed chat across a checkpointed resume.
 """
 
 from __future__ import annotations
@@ -279,4 +280,57 @@ def test_holder_then_decoder_death_resumes_from_the_prefill_workers_cache(
     assert recomputed <= restored - 3 * BLOCK_SIZE, f"{recomputed} of {restored} recomputed"
     if "pdserve_worker_checkpoint_resumes_total{path=peer_cache,reason=ok}" in resumes:
         assert m["pdserve_worker_checkpoint_pulled_bytes_total"] > 0
+    wait_clean(handles, CHECKPOINT_TTL_S + 2)
+
+
+def test_the_official_openai_client_sees_the_same_chat_across_a_checkpointed_resume(
+    cluster: tuple[str, list[WorkerHandle]],
+) -> None:
+    """What a user of the `openai` package sees: a streamed, seeded chat completion whose
+    decode worker is killed mid-stream resumes from its checkpoint with the same text, the
+    same finish reason and the same token count as the fault-free run."""
+    from openai_cases import client
+
+    url, handles = cluster
+    decodes = [h for h in handles if h.role == "decode"]
+    api = client(url)
+    kwargs = {
+        "model": "tiny-v1",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 300,
+        "temperature": 0.8,
+        "seed": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "extra_body": {"ignore_eos": True},
+    }
+
+    def chat(on_chunk: object = None) -> tuple[str, str | None, int]:
+        text, finish, tokens = "", None, 0
+        for n, chunk in enumerate(api.chat.completions.create(**kwargs), 1):
+            for c in chunk.choices:
+                text += c.delta.content or ""
+                finish = c.finish_reason or finish
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+            if callable(on_chunk):
+                on_chunk(n)
+        return text, finish, tokens
+
+    reference = chat()
+    killed: list[WorkerHandle] = []
+
+    def kill(num_chunks: int) -> None:
+        if num_chunks == 100 and not killed:
+            victim = busy_decoder(url, decodes)
+            if victim is not None:
+                after_a_checkpoint(victim, signal.SIGKILL)
+                victim.proc.wait(5)
+                killed.append(victim)
+
+    outcome = chat(kill)
+    assert killed, "no decode worker had the stream when the kill was due"
+    assert outcome == reference and reference[1:] == ("length", 300)
+    recomputed = resumed_from_checkpoint(handles, killed[0])
+    assert recomputed <= BLOCK_SIZE, f"{recomputed} tokens recomputed"
     wait_clean(handles, CHECKPOINT_TTL_S + 2)
