@@ -21,10 +21,19 @@ import pytest
 from pdserve import LLM, SamplingParams
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_port(count: int = 2) -> int:
+    """A loopback port P with P .. P+count-1 all free now (`--routers N` uses P+i)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        try:
+            for i in range(1, count):
+                with socket.socket() as t:
+                    t.bind(("127.0.0.1", port + i))
+        except OSError:
+            continue
+        return port
 
 
 def pid_alive(pid: int) -> bool:
