@@ -285,7 +285,12 @@ class Engine:
         ids = self.block_manager.block_ids(request_id)[start:end]
         if len(ids) != end - start:
             raise RequestNotFound(f"request {request_id}: blocks {start}..{end} not held")
-        return [bytes(v) for v in self.kv_cache.block_views(ids)]
+        return self.copy_block_ids(ids)
+
+    def copy_block_ids(self, block_ids: list[int]) -> list[bytes]:
+        """Copies of these blocks' KV (a block held by a request or cached: full blocks never
+        change, so a copy taken between steps is consistent)."""
+        return [bytes(v) for v in self.kv_cache.block_views(block_ids)]
 
     def position_logits(self, block_ids: list[int], token_id: int, position: int) -> torch.Tensor:
         """Logits of `token_id` at `position` over the KV of `block_ids` (a checkpoint's
@@ -305,12 +310,6 @@ class Engine:
                 break
             ids.append(block_id)
         return ids
-
-    def copy_cached_prefix(self, token_ids: list[int], max_blocks: int) -> list[bytes]:
-        """Copies of the leading full blocks of `token_ids` the prefix cache holds (at most
-        `max_blocks`): a peer's resume pulls them (full cached blocks never change)."""
-        ids = self.cached_prefix_block_ids(token_ids[: max_blocks * self.config.block_size])
-        return [bytes(v) for v in self.kv_cache.block_views(ids)]
 
     def import_begin(self, import_id: str, num_blocks: int) -> list[memoryview] | None:
         """Fresh blocks for KV pulled from elsewhere, as writable views (None: no room)."""

@@ -53,6 +53,16 @@ from pdserve.worker.protocol import KVEndpoint, Reservation
 _PUT_EPOCH = 0
 
 
+def check_fingerprint(info: EngineInfo, digest: str, where: str, refused: Counter[str]) -> None:
+    """Refuse (and count in `refused`) KV of an engine whose fingerprint is not this one's."""
+    if digest != info.fingerprint_digest:
+        refused[Refusal.FINGERPRINT.value] += 1
+        raise CheckpointRefused(
+            Refusal.FINGERPRINT.value,
+            f"{where}: fingerprint {digest}, this worker's engine is {info.fingerprint_digest}",
+        )
+
+
 class CheckpointStore:
     """One worker's checkpoint holder: its tier, owner leases and pending puts."""
 
@@ -106,13 +116,7 @@ class CheckpointStore:
     # ---- puts (decode worker -> here) ----------------------------------------------------
 
     def _check_fingerprint(self, digest: str, where: str) -> None:
-        if digest != self._info.fingerprint_digest:
-            self.tier.refused[Refusal.FINGERPRINT.value] += 1
-            raise CheckpointRefused(
-                Refusal.FINGERPRINT.value,
-                f"{where}: fingerprint {digest}, this holder's engine is"
-                f" {self._info.fingerprint_digest}",
-            )
+        check_fingerprint(self._info, digest, where, self.tier.refused)
 
     def put(self, body: CheckpointPut) -> Reservation:
         """Reserve room for the blocks and expect their transfer; CheckpointRefused (full,

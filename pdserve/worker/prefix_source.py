@@ -40,6 +40,7 @@ from pdserve.worker.checkpoint_protocol import (
     CheckpointSent,
 )
 from pdserve.worker.checkpoint_sender import BlockSender
+from pdserve.worker.checkpoint_store import check_fingerprint
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.engine_loop import EngineInfo, EngineLoop
 from pdserve.worker.kv_outbox import parse_destination
@@ -80,18 +81,9 @@ class PrefixCacheSource:
     def routes(self) -> list[web.RouteDef]:
         return [web.post("/cache/lookup", self.lookup), web.post("/cache/send", self.send)]
 
-    def _check_fingerprint(self, digest: str, where: str) -> None:
-        if digest != self._info.fingerprint_digest:
-            self.refused[Refusal.FINGERPRINT.value] += 1
-            raise CheckpointRefused(
-                Refusal.FINGERPRINT.value,
-                f"{where}: fingerprint {digest}, this worker's engine is"
-                f" {self._info.fingerprint_digest}",
-            )
-
     async def lookup(self, request: web.Request) -> web.Response:
         body = CheckpointLookup.model_validate_json(await request.read())
-        self._check_fingerprint(body.fingerprint_digest, "cache lookup")
+        check_fingerprint(self._info, body.fingerprint_digest, "cache lookup", self.refused)
         self.num_lookups += 1
         n = await self._engine.call(lambda e: e.num_cached_prefix_blocks(body.token_ids))
         found = CheckpointFound(
@@ -103,7 +95,7 @@ class PrefixCacheSource:
         body = CheckpointSend.model_validate_json(await request.read())
         bs = self._info.block_size
         where = f"cache send to {body.reservation.reservation.request_id}"
-        self._check_fingerprint(body.fingerprint_digest, where)
+        check_fingerprint(self._info, body.fingerprint_digest, where, self.refused)
         if len(body.token_ids) % bs:
             self.refused[Refusal.VERSION.value] += 1
             raise CheckpointRefused(
@@ -168,8 +160,8 @@ def _copy_with_digest(
 ) -> tuple[list[bytes], bytes]:
     """An engine command: copies of the cached leading blocks of `tokens` and the value digest
     of the last copied position (b"": none copied)."""
-    ids = engine.cached_prefix_block_ids(tokens)[: len(tokens) // block_size]
-    blocks = engine.copy_cached_prefix(tokens, len(ids))
+    ids = engine.cached_prefix_block_ids(tokens)
+    blocks = engine.copy_block_ids(ids)
     if not ids:
         return blocks, b""
     position = len(ids) * block_size - 1
