@@ -51,7 +51,7 @@ REGIMES = {
     "colocated_wins": (
         WorkloadShape(32, 256, 32, 64),
         SLO(ttft_s=1.0, tpot_s=0.015),
-        (8.0, 16.0, 24.0, 32.0),
+        (8.0, 16.0, 24.0, 28.0, 32.0),
     ),
 }
 
