@@ -255,6 +255,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(be)
     be.add_argument("--json", default=None, help="write the results as JSON to this file")
     be.add_argument("--quick", action="store_true", help="smaller workloads (CI smoke run)")
+    be.add_argument(
+        "--model-shape",
+        action="append",
+        choices=("tiny", "smollm-135m"),
+        default=None,
+        help="measure this shape (repeatable; default: both, or tiny with --quick); a random"
+        " checkpoint of the shape is written by transformers, nothing is downloaded",
+    )
     bm = bsub.add_parser(
         "multiturn", help="multi-turn chats: round-robin vs affinity routing on local clusters"
     )

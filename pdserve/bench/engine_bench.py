@@ -1,12 +1,20 @@
 """`pdserve bench engine`: pdserve's engine against transformers' `generate`, side by side.
 
-All cases run in one process on one checkpoint, greedy, EOS ignored so both sides produce the
-same number of tokens:
+For each model shape (the tiny default and a random checkpoint of SmolLM-135M's shape written
+by transformers, or one `--model` folder), in one process, greedy, EOS ignored so both sides
+produce the same number of tokens:
 - batch 1: a 128-token prompt, 64 new tokens;
 - batch 32: prompt lengths 32–256 and max_tokens 16–128 (seeded). transformers pads the batch
   and runs to the longest max_tokens; only the tokens each request asked for count as output;
+- the decode step's breakdown at batch 1 and 32 (`step_breakdown`: model, attention, gathers,
+  logits, sampler, Python), timed in a run of its own;
 - shared prefix: 90% of every prompt is shared; mean TTFT with prefix caching on and off.
-Ratios are what matter on a noisy machine: both sides see the same noise.
+
+Fair by construction: both sides are warmed the same way, with a prompt of their own that is
+never timed, and the throughput cases run with prefix caching off, so no timed prompt finds
+its own blocks cached (an earlier version warmed pdserve alone, with the timed prompt, so the
+timed batch-1 run prefilled 16 of its 128 tokens). Ratios are what matter on a noisy machine:
+both sides see the same noise.
 """
 
 from __future__ import annotations
@@ -14,15 +22,21 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import tempfile
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
+from pdserve.bench.model_shapes import SHAPES, build_shape_checkpoint
+from pdserve.bench.step_breakdown import PARTS, measure_decode_breakdown
 from pdserve.config import EngineConfig, ModelLoadConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.tiny import default_model_path
+
+SHAPE_NAMES = ("tiny", *SHAPES)
 
 
 @dataclass(slots=True)
@@ -77,9 +91,17 @@ def _run_transformers(
 
 
 def _case(
-    name: str, engine: Engine, hf: torch.nn.Module, prompts: list[list[int]], max_tokens: list[int]
+    name: str,
+    engine: Engine,
+    hf: torch.nn.Module,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    warm: list[list[int]],
 ) -> CaseResult:
-    _run_pdserve(engine, prompts[:1], [2], f"warm-{name}")  # first-call allocations
+    # The same warm-up on both sides (first-call allocations, kernel choices), with prompts
+    # of the case's lengths that are never timed; the engine caches no prefix (see the doc).
+    _run_pdserve(engine, warm, [2] * len(warm), f"warm-{name}")
+    _run_transformers(hf, warm, [2] * len(warm))
     t_pd = _run_pdserve(engine, prompts, max_tokens, name)
     t_hf = _run_transformers(hf, prompts, max_tokens)
     out = sum(max_tokens)
@@ -106,14 +128,28 @@ def _prefix_ttft(path: str, cfg: EngineConfig, prompts: list[list[int]], on: boo
     return sum(ttfts) / len(ttfts) / 1e9
 
 
-def run_engine_bench(args: argparse.Namespace) -> int:
-    """Run every case, print the table, write JSON if asked; returns the exit status."""
-    path = args.model or str(default_model_path())
+def _shape_paths(args: argparse.Namespace, workdir: Path) -> list[tuple[str, str]]:
+    """(name, folder) of every model to measure: `--model`, else the asked shapes."""
+    if args.model:
+        return [("custom", args.model)]
+    names = args.model_shape or (["tiny"] if args.quick else list(SHAPE_NAMES))
+    paths = []
+    for name in names:
+        if name == "tiny":
+            paths.append((name, str(default_model_path())))
+        else:
+            paths.append((name, str(build_shape_checkpoint(name, workdir / name))))
+    return paths
+
+
+def _bench_shape(name: str, path: str, args: argparse.Namespace) -> dict[str, object]:
+    """Every case on one checkpoint; prints its table and returns its JSON part."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
     cfg = EngineConfig(
         block_size=args.block_size,
+        enable_prefix_caching=False,
         model=ModelLoadConfig(path=path, dtype=args.dtype, quantization=args.quantization),
     )
     engine = Engine.from_config(cfg)
@@ -127,9 +163,30 @@ def run_engine_bench(args: argparse.Namespace) -> int:
     if quick:
         news = [max(4, n // 8) for n in news]
     results = [
-        _case("batch1", engine, hf, _prompts(rng, vocab, [b1_len]), [b1_new]),
-        _case(f"batch{n_batch}-mixed", engine, hf, _prompts(rng, vocab, lengths), news),
+        _case(
+            "batch1",
+            engine,
+            hf,
+            _prompts(rng, vocab, [b1_len]),
+            [b1_new],
+            _prompts(rng, vocab, [b1_len]),
+        ),
+        _case(
+            f"batch{n_batch}-mixed",
+            engine,
+            hf,
+            _prompts(rng, vocab, lengths),
+            news,
+            _prompts(rng, vocab, lengths),
+        ),
     ]
+    num_steps = 4 if quick else 16
+    breakdown = {
+        f"batch{n}": measure_decode_breakdown(
+            engine, _prompts(rng, vocab, [b1_len] * n), num_steps, f"breakdown{n}"
+        )
+        for n in (1, n_batch)
+    }
     n_prefix, prompt_len = (5, 128) if quick else (17, 512)
     shared = _prompts(rng, vocab, [int(prompt_len * 0.9)])[0]
     tails = _prompts(rng, vocab, [prompt_len - len(shared)] * n_prefix)
@@ -137,7 +194,7 @@ def run_engine_bench(args: argparse.Namespace) -> int:
     ttft_off = _prefix_ttft(path, cfg, prefix_prompts, on=False)
     ttft_on = _prefix_ttft(path, cfg, prefix_prompts, on=True)
 
-    print(f"model: {path}  dtype: {args.dtype}  quantization: {args.quantization}")
+    print(f"model: {name} ({path})  dtype: {args.dtype}  quantization: {args.quantization}")
     print(
         f"{'case':<18}{'requests':>9}{'out tok':>9}{'pdserve tok/s':>15}"
         f"{'transformers tok/s':>20}{'ratio':>8}"
@@ -147,23 +204,40 @@ def run_engine_bench(args: argparse.Namespace) -> int:
             f"{r.case:<18}{r.num_requests:>9}{r.output_tokens:>9}{r.pdserve_tokens_per_s:>15.1f}"
             f"{r.transformers_tokens_per_s:>20.1f}{r.ratio_vs_transformers:>8.2f}"
         )
+    print(f"decode step (ms): {'batch':<8}" + "".join(f"{p:>10}" for p in (*PARTS, "step")))
+    for batch, parts in breakdown.items():
+        print(f"{'':<18}{batch:<8}" + "".join(f"{parts[p]:>10.2f}" for p in (*PARTS, "step")))
     speedup = ttft_off / ttft_on
     print(
         f"shared prefix (90%, {n_prefix - 1} requests of {prompt_len} tokens): mean TTFT "
         f"{ttft_off * 1e3:.1f} ms without prefix cache, {ttft_on * 1e3:.1f} ms with "
         f"({speedup:.2f}x)"
     )
+    print()
+    return {
+        "model": path,
+        "num_parameters": sum(p.numel() for p in hf.parameters()),
+        "cases": [asdict(r) for r in results],
+        "ratio_vs_transformers": {r.case: r.ratio_vs_transformers for r in results},
+        "decode_step_ms": breakdown,
+        "prefix_cache_ttft_s": {"off": ttft_off, "on": ttft_on},
+        "prefix_cache_ttft_speedup": speedup,
+    }
+
+
+def run_engine_bench(args: argparse.Namespace) -> int:
+    """Run every case on every shape, print the tables, write JSON if asked; returns the exit
+    status."""
+    shapes: dict[str, dict[str, object]] = {}
+    with tempfile.TemporaryDirectory(prefix="pdserve-bench-engine-") as tmp:
+        for name, path in _shape_paths(args, Path(tmp)):
+            shapes[name] = _bench_shape(name, path, args)
     if args.json:
+        ratios = {
+            f"{name}/{case}": ratio
+            for name, doc in shapes.items()
+            for case, ratio in doc["ratio_vs_transformers"].items()  # type: ignore[attr-defined]
+        }
         with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "model": path,
-                    "cases": [asdict(r) for r in results],
-                    "ratio_vs_transformers": {r.case: r.ratio_vs_transformers for r in results},
-                    "prefix_cache_ttft_s": {"off": ttft_off, "on": ttft_on},
-                    "prefix_cache_ttft_speedup": speedup,
-                },
-                f,
-                indent=2,
-            )
+            json.dump({"shapes": shapes, "ratio_vs_transformers": ratios}, f, indent=2)
     return 0

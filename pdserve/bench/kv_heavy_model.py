@@ -14,12 +14,11 @@ latency benchmark needs.
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.errors import ConfigError
-from pdserve.model.tiny import TINY_CONFIG, default_model_path
+from pdserve.bench.model_shapes import save_random_llama
+from pdserve.model.tiny import TINY_CONFIG
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,33 +43,17 @@ def build_kv_heavy_checkpoint(
     folder: Path, shape: KVHeavyShape | None = None, seed: int = 0
 ) -> Path:
     """Write the checkpoint into `folder` (created) and return it."""
-    try:
-        import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
-    except ImportError as exc:
-        raise ConfigError(
-            f"the KV-heavy checkpoint needs transformers (pip install 'pdserve[test]'): {exc}"
-        ) from None
     shape = shape or KVHeavyShape()
-    config = LlamaConfig(
-        vocab_size=TINY_CONFIG["vocab_size"],
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_kv_heads,
-        num_key_value_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        max_position_embeddings=shape.max_position_embeddings,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        bos_token_id=TINY_CONFIG["bos_token_id"],
-        eos_token_id=TINY_CONFIG["eos_token_id"],
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder)
-    tokenizer_dir = default_model_path()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, folder / name)
-    return folder
+    config = {
+        "vocab_size": TINY_CONFIG["vocab_size"],
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_kv_heads,
+        "num_key_value_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim,
+        "max_position_embeddings": shape.max_position_embeddings,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+    }
+    return save_random_llama(folder, config, seed)

@@ -17,6 +17,7 @@ Hooks for disaggregation, used by the worker and transfer layers (never by the s
 from __future__ import annotations
 
 import dataclasses
+import logging
 import secrets
 from dataclasses import dataclass, field
 
@@ -36,6 +37,8 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.step_stats import StepFacts, StepTotals, count_tokens, is_decode_slice
 from pdserve.errors import ConfigError, PromptTooLong, RequestNotFound, SamplingParamsError
 from pdserve.model.loader import LoadedModel, load_model
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -379,41 +382,63 @@ class Engine:
         deltas: list[RequestDelta] = []
         for s in out.scheduled:
             request = s.request
-            if request.request_id in result.prompt_logprobs:
-                first, values = result.prompt_logprobs[request.request_id]
+            rid = request.request_id
+            if rid in result.prompt_logprobs:
+                first, values = result.prompt_logprobs[rid]
                 # A recompute after preemption computes positions again: keep the first.
                 have = len(request.prompt_logprobs)
                 request.prompt_logprobs.extend(values[max(0, have - first) :])
-            sampled = result.sampled.get(request.request_id)
-            if sampled is None:
+            sampled = result.sampled.get(rid)
+            error = result.failed.get(rid)
+            if sampled is None and error is None:
                 continue
-            token = sampled.token_id
-            request.output_token_ids.append(token)
-            if request.grammar is not None:
-                request.grammar.accept(token)
             prompt_logprobs = None
-            if request.first_token_ns is None:
-                request.first_token_ns = now
-                if request.collects_prompt_logprobs:
-                    prompt_logprobs = tuple(request.prompt_logprobs)
-            status = self._check_stop(request, token)
-            if status is not None:
+            status: RequestStatus | None = RequestStatus.FINISHED_ERROR
+            if error is None and sampled is not None:
+                try:
+                    prompt_logprobs, status = self._take_token(request, sampled.token_id, now)
+                except Exception as exc:
+                    error = exc
+                    status = RequestStatus.FINISHED_ERROR
+            if error is not None:
+                # This request alone ends with finish reason "error"; the batch goes on.
+                logger.error("request %s failed in its step: %r", rid, error)
+                request.finish_ns = now
+                self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+            elif status is not None:
                 request.finish_ns = now
                 self.scheduler.finish(request, status)
             deltas.append(
                 RequestDelta(
-                    request.request_id,
-                    (token,),
+                    rid,
+                    () if error is not None or sampled is None else (sampled.token_id,),
                     status is not None,
                     status.finish_reason if status else None,
-                    logprobs=() if sampled.logprobs is None else (sampled.logprobs,),
+                    logprobs=()
+                    if error is not None or sampled is None or sampled.logprobs is None
+                    else (sampled.logprobs,),
                     prompt_logprobs=prompt_logprobs,
                     num_cached_tokens=request.num_cached_tokens,
                     step=facts,
-                    decode=request.request_id in decode_ids,
+                    decode=rid in decode_ids,
                 )
             )
         return deltas
+
+    def _take_token(
+        self, request: Request, token: int, now: int
+    ) -> tuple[tuple[TokenLogprobs, ...] | None, RequestStatus | None]:
+        """Append a sampled token (grammar advanced, first-token time set); returns the prompt
+        logprobs to report with it, if now, and the status it finishes with, if it does."""
+        if request.grammar is not None:
+            request.grammar.accept(token)
+        request.output_token_ids.append(token)
+        prompt_logprobs = None
+        if request.first_token_ns is None:
+            request.first_token_ns = now
+            if request.collects_prompt_logprobs:
+                prompt_logprobs = tuple(request.prompt_logprobs)
+        return prompt_logprobs, self._check_stop(request, token)
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -39,6 +39,8 @@ class StepResult:
     sampled: dict[str, SampledToken] = field(default_factory=dict)
     # request id -> (first prompt position, logprobs of the prompt tokens after it, in order).
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # request id -> what its own sampling or logprobs raised (the others' rows are unaffected).
+    failed: dict[str, BaseException] = field(default_factory=dict)
 
 
 def _row(request: Request) -> SamplingRow:
@@ -113,18 +115,27 @@ class ModelRunner:
         )  # [N, vocab]
         for request, first, count, row in prompt_rows:
             num_top = request.sampling_params.prompt_logprobs or 0
-            result.prompt_logprobs[request.request_id] = (
-                first,
-                [
+            try:
+                values = [
                     token_logprobs(logits[row + i], request.token_at(first + i + 1), num_top)
                     for i in range(count)
-                ],
-            )
+                ]
+            except Exception as exc:
+                result.failed[request.request_id] = exc
+                continue
+            result.prompt_logprobs[request.request_id] = (first, values)
         for request, row in sampling:
+            if request.request_id in result.failed:
+                continue
             raw = logits[row]
-            token = sample_row(raw, _row(request))
-            wanted = request.sampling_params.logprobs
-            lp = None if wanted is None else token_logprobs(raw, token, wanted)
+            try:
+                token = sample_row(raw, _row(request))
+                wanted = request.sampling_params.logprobs
+                lp = None if wanted is None else token_logprobs(raw, token, wanted)
+            except Exception as exc:
+                # One request's grammar or logits processor must not fail its batch.
+                result.failed[request.request_id] = exc
+                continue
             result.sampled[request.request_id] = SampledToken(token, lp)
         return result
 

@@ -235,7 +235,10 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.remote.pop(rid, None)
-        if request.hold_kv and status is not RequestStatus.FINISHED_ABORTED:
+        if request.hold_kv and status not in (
+            RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_ERROR,
+        ):
             self.held[rid] = request
         else:
             self.block_manager.free(rid)

@@ -52,10 +52,15 @@ def test_bench_engine_quick_writes_ratios(tiny_model_path: Path, tmp_path: Path)
     r = pdserve(["bench", "engine", "--quick", "--json", str(out)], tiny_model_path.parent, 600)
     assert r.returncode == 0, r.stderr
     data = json.loads(out.read_text())
-    assert set(data["ratio_vs_transformers"]) == {"batch1", "batch8-mixed"}
+    assert set(data["ratio_vs_transformers"]) == {"tiny/batch1", "tiny/batch8-mixed"}
     assert all(v > 0 for v in data["ratio_vs_transformers"].values())
-    assert data["prefix_cache_ttft_speedup"] > 0
-    assert "ratio" in r.stdout
+    tiny = data["shapes"]["tiny"]
+    assert tiny["prefix_cache_ttft_speedup"] > 0
+    # The decode step's parts, at batch 1 and 8, add up to the step.
+    for parts in tiny["decode_step_ms"].values():
+        named = sum(v for k, v in parts.items() if k != "step")
+        assert parts["step"] > 0 and abs(named - parts["step"]) < 1e-6
+    assert "ratio" in r.stdout and "decode step" in r.stdout
 
 
 def _children(pid: int) -> list[int]:
