@@ -41,6 +41,7 @@ from pydantic import BaseModel
 from pdserve.auth.signing import CallVerifier
 from pdserve.engine.engine import Engine, RequestDelta
 from pdserve.errors import (
+    ConfigError,
     DeadlineExceeded,
     EngineError,
     Overloaded,
@@ -275,6 +276,12 @@ class WorkerAPI:
                 local=self.local_transports,
                 explicit=self.config.kv_transport != "auto",
             )
+            n, m = destination.num_cached_tokens, len(body.prompt_token_ids)
+            if n > m:
+                # Nothing would be sent, and the decode side would wait out its KV timeout.
+                raise ConfigError(
+                    f"reservation.num_cached_tokens: {n} exceeds the prompt's {m} tokens"
+                )
         with self._admitted(rid):
             if destination is not None:
                 outbox.warm(destination)  # the connection comes up while the prompt computes

@@ -281,6 +281,8 @@ def test_bad_bodies_are_400_naming_the_field(workers: Workers) -> None:
             ({"transfer_id": "00" * 16, "endpoints": [{"transport": "tcp", "address": "nope"}]},
              "reservation.endpoints[0].address"),
             ({"transfer_id": "00" * 16, "endpoints": []}, "endpoints"),
+            ({"transfer_id": "00" * 16, "num_cached_tokens": 3},
+             "reservation.num_cached_tokens: 3 exceeds the prompt's 2 tokens"),
         ):  # fmt: skip
             bad = {**reservation, **change}
             body_ = {**base, "sampling": {}, "reservation": {"reservation": bad,
