@@ -13,6 +13,7 @@ from pdserve.faults import parse_rules
 from pdserve.membership.uri import parse_discovery
 from pdserve.router.auto_mode import AutoConfig
 from pdserve.router.interference import SLOConfig
+from pdserve.worker.protocol import MAX_LEASE_TTL_S, MAX_WAIT_S
 
 # The path a request takes; fixed when it begins.
 Mode = Literal["disagg", "colocated"]
@@ -92,9 +93,10 @@ class RecoveryConfig:
 
     def __post_init__(self) -> None:
         CheckpointPolicy.parse(self.checkpoint)
-        if not 0 < self.checkpoint_lease_ttl_s < float("inf"):
+        if not 0 < self.checkpoint_lease_ttl_s <= MAX_LEASE_TTL_S:
             raise ConfigError(
-                f"checkpoint-lease-ttl-s: must be > 0, got {self.checkpoint_lease_ttl_s}"
+                f"checkpoint-lease-ttl-s: must be in (0, {MAX_LEASE_TTL_S:g}],"
+                f" got {self.checkpoint_lease_ttl_s}"
             )
         unknown = [s for s in self.steps if s not in RECOVERY_STEPS]
         if unknown or len(set(self.steps)) != len(self.steps):
@@ -232,14 +234,20 @@ class RouterConfig:
         parse_mode_setting(self.mode)
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port: must be in 0..65535, got {self.port}")
-        if self.request_timeout_s <= 0:
-            raise ConfigError(f"request-timeout-s: must be > 0, got {self.request_timeout_s}")
+        if not 0 < self.request_timeout_s <= MAX_WAIT_S:
+            raise ConfigError(
+                f"request-timeout-s: must be in (0, {MAX_WAIT_S:g}], got {self.request_timeout_s}"
+            )
         if self.timeline_ring < 1:
             raise ConfigError(f"timeline-ring: must be >= 1, got {self.timeline_ring}")
         if self.health_deadline_s < 0:
             raise ConfigError(f"health-deadline-s: must be >= 0, got {self.health_deadline_s}")
-        if self.health_poll_interval_s <= 0 or self.lease_ttl_s <= 0:
-            raise ConfigError("health_poll_interval_s and lease_ttl_s must be > 0")
+        if self.health_poll_interval_s <= 0:
+            raise ConfigError("health_poll_interval_s must be > 0")
+        if not 0 < self.lease_ttl_s <= MAX_LEASE_TTL_S:
+            raise ConfigError(
+                f"lease-ttl-s: must be in (0, {MAX_LEASE_TTL_S:g}], got {self.lease_ttl_s}"
+            )
         if self.cluster_secret is None and not self.insecure_no_auth:
             raise ConfigError(
                 "cluster-secret-file: no cluster secret (give --cluster-secret-file PATH or set"

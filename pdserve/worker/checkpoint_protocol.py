@@ -23,7 +23,12 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdserve.worker.protocol import CheckpointPlan, CheckpointSource, SignedReservation
+from pdserve.worker.protocol import (
+    MAX_LEASE_TTL_S,
+    CheckpointPlan,
+    CheckpointSource,
+    SignedReservation,
+)
 
 __all__ = ["CheckpointPlan", "CheckpointSource"]
 
@@ -44,13 +49,13 @@ class CheckpointPut(_Model):
     first_version: int = Field(ge=1)
     # The tokens of each block (block_size each).
     block_tokens: list[list[int]] = Field(min_length=1)
-    lease_ttl_s: float = Field(default=30.0, gt=0)
+    lease_ttl_s: float = Field(default=30.0, gt=0, le=MAX_LEASE_TTL_S)
 
 
 class CheckpointOwner(_Model):
     owner: str
     # A renewal extends the owner's lease by this.
-    lease_ttl_s: float = Field(default=30.0, gt=0)
+    lease_ttl_s: float = Field(default=30.0, gt=0, le=MAX_LEASE_TTL_S)
 
 
 class CheckpointRenewed(_Model):
@@ -89,7 +94,7 @@ class CheckpointSend(_Model):
     reservation: SignedReservation
     # The resumed request takes the blocks over under its own lease (None: only read them).
     adopt_owner: str | None = None
-    lease_ttl_s: float = Field(default=30.0, gt=0)
+    lease_ttl_s: float = Field(default=30.0, gt=0, le=MAX_LEASE_TTL_S)
 
 
 class CheckpointSent(_Model):

@@ -46,6 +46,11 @@ Role = Literal["prefill", "decode", "both"]
 Transport = Literal["nixl", "shm", "tcp"]
 # Reservation format; a prefill worker refuses one it does not know (named field).
 RESERVATION_VERSION = 2
+# Upper bounds of durations on the wire. A lease is renewed by its holder's liveness, so none
+# needs to be long; one of 1e300 s from a buggy or hostile caller would never expire and pin
+# its KV for good. Waits (deadlines, KV timeouts) get a day.
+MAX_LEASE_TTL_S = 3600.0
+MAX_WAIT_S = 86400.0
 
 
 class _Model(BaseModel):
@@ -201,7 +206,7 @@ class ReserveRequest(_Model):
     sampling: SamplingModel
     # The reservation (and its blocks) is freed when no KV byte arrives (and no renewal comes)
     # for this long: liveness, not total duration, decides.
-    lease_ttl_s: float = Field(default=30.0, gt=0)
+    lease_ttl_s: float = Field(default=30.0, gt=0, le=MAX_LEASE_TTL_S)
 
 
 class KVEndpoint(_Model):
@@ -256,11 +261,11 @@ class PrefillRequest(_Model):
     # is told at once (POST /kv_abort) when the send is given up, so its /decode fails now
     # instead of when the reservation's lease ends.
     reservation: SignedReservation | None = None
-    lease_ttl_s: float = Field(default=30.0, gt=0)
+    lease_ttl_s: float = Field(default=30.0, gt=0, le=MAX_LEASE_TTL_S)
     # Sends of the KV (first try included) before the prefill worker gives up on it.
     transfer_attempts: int = Field(default=4, ge=1, le=100)
     # Seconds the router still waits for this request (see the module docstring).
-    deadline_s: float | None = Field(default=None, gt=0)
+    deadline_s: float | None = Field(default=None, gt=0, le=MAX_WAIT_S)
 
 
 class RenewRequest(_Model):
@@ -313,7 +318,7 @@ class CheckpointPlan(_Model):
 
     holder_url: str
     policy: str
-    lease_ttl_s: float = Field(default=30.0, gt=0)
+    lease_ttl_s: float = Field(default=30.0, gt=0, le=MAX_LEASE_TTL_S)
 
     @field_validator("policy")
     @classmethod
@@ -337,9 +342,9 @@ class DecodeRequest(_Model):
     first_token_id: int
     # Give up (and free the reservation) if the KV is not verified by then; the reservation's
     # lease ends it sooner if the transfer stops making progress.
-    kv_timeout_s: float = Field(default=30.0, gt=0)
+    kv_timeout_s: float = Field(default=30.0, gt=0, le=MAX_WAIT_S)
     # Seconds the router still waits for this request, its tokens included.
-    deadline_s: float | None = Field(default=None, gt=0)
+    deadline_s: float | None = Field(default=None, gt=0, le=MAX_WAIT_S)
     # Replicate the request's KV while it decodes (None: no checkpoints).
     checkpoint: CheckpointPlan | None = None
 
@@ -354,7 +359,7 @@ class GenerateRequest(_Model):
     # (migration). The stream carries only the tokens that follow.
     output_token_ids: list[int] = Field(default_factory=list)
     # Seconds the router still waits for this request.
-    deadline_s: float | None = Field(default=None, gt=0)
+    deadline_s: float | None = Field(default=None, gt=0, le=MAX_WAIT_S)
     # Replicate the request's KV while it decodes (None: no checkpoints).
     checkpoint: CheckpointPlan | None = None
     # A resume: pull the longest checkpointed prefix of prompt + output from there first and

@@ -257,6 +257,7 @@ def test_bad_bodies_are_400_naming_the_field(workers: Workers) -> None:
             ({**base, "sampling": {}, "colour": 1}, "colour"),
             ({"request_id": "bad", "sampling": {}}, "prompt_token_ids"),
             ({**base, "prompt_token_ids": [], "sampling": {}}, "empty"),
+            ({**base, "sampling": {}, "deadline_s": 1e300}, "deadline_s"),
         ]
         for request, field in cases:
             status, error = await post(session, url, request)
@@ -271,6 +272,10 @@ def test_bad_bodies_are_400_naming_the_field(workers: Workers) -> None:
             "num_cached_tokens": 0,
             "lease_ttl_s": 1.0,
         }
+        # A lease that would never expire pins its blocks for good: refused, nothing held.
+        forever = {**base, "sampling": {}, "lease_ttl_s": 1e300}
+        status, error = await post(session, f"{workers.decode.url}/reserve", forever)
+        assert (status, "lease_ttl_s" in error["error"]) == (400, True), error
         prefill = {**base, "sampling": {}, "reservation": signed_reservation(reservation)}
         status, error = await post(session, f"{workers.prefill.url}/prefill", prefill)
         assert (status, "reservation.transfer_id" in error["error"]) == (400, True)

@@ -217,6 +217,10 @@ def test_flapping_figures_never_change_the_layout() -> None:
         (["--auto-split-backoff-s", "-5"], "--auto-split-backoff-s"),
         (["--slo-tpot-ms", "0"], "--slo-tpot-ms"),
         (["--slo-ttft-ms", "inf"], "--slo-ttft-ms"),
+        # A lease or a wait that would outlive any liveness check (workers refuse them too).
+        (["--lease-ttl-s", "1e300"], "lease-ttl-s: must be in"),
+        (["--checkpoint-lease-ttl-s", "7200"], "checkpoint-lease-ttl-s: must be in"),
+        (["--request-timeout-s", "1e9"], "request-timeout-s: must be in"),
     ],
 )
 def test_bad_router_flags_are_refused_naming_them(
