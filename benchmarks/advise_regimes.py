@@ -41,6 +41,7 @@ from pdserve.bench.advise import AdviseConfig, report_json, run_advise
 from pdserve.bench.advise_workload import AdviseWorkload
 from pdserve.bench.serve import prepare_run
 from pdserve.bench.serve_stats import SLO, WorkloadShape
+from pdserve.supervise.process import exit_on_sigterm
 
 REGIMES = {
     "split_wins": (
@@ -57,6 +58,7 @@ REGIMES = {
 
 
 def main() -> int:
+    exit_on_sigterm()  # a SIGTERM stops the clusters it started (their finally blocks)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path)
     p.add_argument("--duration-s", type=float, default=6.0)

@@ -38,7 +38,13 @@ from pdserve.bench.chaos_cluster import ChaosCluster
 from pdserve.bench.chaos_scenarios import WorkerSpec
 from pdserve.bench.completion_client import stream_completion
 from pdserve.bench.kv_heavy_model import KVHeavyShape, build_kv_heavy_checkpoint
-from pdserve.supervise.process import Child, spawn_child, stop_children, wait_child_ready
+from pdserve.supervise.process import (
+    Child,
+    exit_on_sigterm,
+    spawn_child,
+    stop_children,
+    wait_child_ready,
+)
 
 # A compute-bound decode step on this CPU (~100M parameters), KV of a small real model.
 MIDSIZE = KVHeavyShape(
@@ -106,6 +112,7 @@ async def one_round(
 
 
 def main() -> int:
+    exit_on_sigterm()  # a SIGTERM stops the clusters it started (their finally blocks)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--rounds", type=int, default=4)

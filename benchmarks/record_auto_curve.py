@@ -27,6 +27,7 @@ import aiohttp
 from pdserve.bench.serve import Endpoint, run_rate
 from pdserve.bench.serve_stats import SLO, WorkloadShape, build_workload, summarize
 from pdserve.launcher import Cluster, UpConfig
+from pdserve.supervise.process import exit_on_sigterm
 
 PHASES = (
     (4.0, WorkloadShape(32, 64, 16, 32), 8.0),
@@ -64,6 +65,7 @@ async def _drive(router_url: str, slo: SLO) -> None:
 
 
 def main() -> int:
+    exit_on_sigterm()  # a SIGTERM stops the clusters it started (their finally blocks)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path)
     p.add_argument("--workers", type=int, default=2)

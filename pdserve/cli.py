@@ -13,7 +13,6 @@ recommendation). A bad flag or config value exits with status 2 and one line nam
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 from pdserve.config_file import add_config_flag
 from pdserve.errors import ConfigError, PdserveError
 from pdserve.flags import add_engine_flags, add_policy_flags
+from pdserve.supervise.process import exit_on_sigterm
 
 
 def _int_in(text: str, low: int, high: int | None, what: str) -> int:
@@ -538,15 +538,6 @@ def _expand_config(parser: argparse.ArgumentParser, argv: list[str]) -> list[str
     return ["up", *expand(argv[1:], sub)]
 
 
-def _exit_on_sigterm() -> None:
-    """Turn SIGTERM into SystemExit(143), so cleanups in `finally` blocks run."""
-
-    def on_sigterm(signum: int, frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `pdserve` script."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -561,7 +552,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in ("bench", "advise", "chaos"):
         # These start local clusters: a SIGTERM must run their `finally` (stop by PID), not
         # leave the workers and routers behind.
-        _exit_on_sigterm()
+        exit_on_sigterm()
     try:
         if args.command == "generate":
             return _cmd_generate(args)

@@ -22,6 +22,16 @@ from urllib.request import urlopen
 from pdserve.errors import PdserveError
 
 
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit(143), so a launcher's `finally` blocks stop its children
+    (by PID) instead of leaving them behind."""
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
 class LaunchError(PdserveError):
     """A child process failed to start or to become healthy."""
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def pdserve(args: list[str], cache: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PDSERVE_CACHE": str(cache)}
@@ -78,18 +80,28 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
-def test_a_sigterm_stops_the_cluster_a_chaos_run_started(
-    tiny_model_path: Path, tmp_path: Path
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["-m", "pdserve", "chaos", "--checkpoint-costs", "--contexts", "8192"],
+        [str(REPO / "benchmarks" / "checkpoint_tpot.py"), "--rounds", "100"],
+    ],
+    ids=["pdserve-chaos", "benchmarks-script"],
+)
+def test_a_sigterm_stops_the_cluster_a_run_started(
+    tiny_model_path: Path, tmp_path: Path, command: list[str]
 ) -> None:
-    """`pdserve chaos` (and bench, advise) stop every process they started when terminated,
-    by PID, instead of leaving workers behind."""
+    """`pdserve chaos` (and bench, advise) and the benchmark scripts stop every process they
+    started when terminated, by PID, instead of leaving workers behind."""
     import signal
     import time
 
     env = {**os.environ, "PDSERVE_CACHE": str(tiny_model_path.parent), "TMPDIR": str(tmp_path)}
-    args = ["chaos", "--checkpoint-costs", "--contexts", "8192"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve", *args],
+        [sys.executable, *command],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=env,
