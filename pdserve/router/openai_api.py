@@ -206,7 +206,8 @@ class OpenAIApi:
                 chosen = fanout.returned(job, runs)
                 await resp.write(sse.encode_event(responses.usage_chunk(job, chosen)))
         await resp.write(sse.DONE)
-        await resp.write_eof()
+        with contextlib.suppress(ConnectionResetError):  # the client left after [DONE]
+            await resp.write_eof()
         return resp, status
 
     def _opening(self, job: Job, choice: responses.ChoiceResult) -> list[BaseModel]:

@@ -82,7 +82,7 @@ from pdserve.worker.protocol import (
     TokenEvent,
     Transport,
 )
-from pdserve.worker.token_stream import TokenStreamer
+from pdserve.worker.token_stream import TokenStreamer, end_stream
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -431,7 +431,7 @@ class WorkerAPI:
             if not done:  # the client went away: nobody will read the rest
                 await inbox.cancel(rid, "client disconnected")
                 await self.engine.abort(rid)
-        await response.write_eof()
+        await end_stream(response)
         return response
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
@@ -472,7 +472,7 @@ class WorkerAPI:
                     await replica.close()
                 if not done:
                     await self.engine.abort(body.request_id)
-            await response.write_eof()
+            await end_stream(response)
             return response
 
     async def _open_replica(

@@ -26,6 +26,7 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.kv_events import KVEventLog
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.protocol import KVEventBatch, KVEventsRequest
+from pdserve.worker.token_stream import end_stream
 
 NDJSON = "application/x-ndjson"
 HEARTBEAT_S = 1.0
@@ -98,7 +99,7 @@ class KVEventStreams:
             await self._follow(response, body, changed)
         finally:
             self._streams.discard(changed)
-        await response.write_eof()
+        await end_stream(response)
         return response
 
     async def _follow(

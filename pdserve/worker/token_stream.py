@@ -12,6 +12,7 @@ It knows aiohttp responses, the protocol's `TokenEvent` and the engine loop's qu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 
 from aiohttp import web
@@ -25,6 +26,13 @@ from pdserve.worker.protocol import LogprobModel, TokenEvent
 from pdserve.worker.step_report import step_info
 
 NDJSON = "application/x-ndjson"
+
+
+async def end_stream(response: web.StreamResponse) -> None:
+    """End a streamed response. A reader that hung up once it had the last event (the router
+    closes a finished stream) is not an error: nothing it wanted is lost."""
+    with contextlib.suppress(ConnectionResetError):
+        await response.write_eof()
 
 
 class TokenStreamer:

@@ -120,3 +120,26 @@ def test_ready_file_is_written_whole(tmp_path: Path) -> None:
     write_ready_file(path, "http://127.0.0.1:1234")
     assert json.loads(path.read_text()) == {"url": "http://127.0.0.1:1234", "pid": os.getpid()}
     assert [p.name for p in tmp_path.iterdir()] == ["ready.json"]
+
+
+class _Closing:
+    """A streamed response whose reader is gone (or whose write fails otherwise)."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    async def write_eof(self) -> None:
+        raise self.exc
+
+
+def test_a_stream_whose_reader_left_ends_quietly_and_other_faults_still_raise() -> None:
+    import asyncio
+
+    import aiohttp
+
+    from pdserve.worker.token_stream import end_stream
+
+    gone = _Closing(aiohttp.ClientConnectionResetError("Cannot write to closing transport"))
+    asyncio.run(end_stream(gone))  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError):
+        asyncio.run(end_stream(_Closing(RuntimeError("bug"))))  # type: ignore[arg-type]
