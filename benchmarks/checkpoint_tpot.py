@@ -124,13 +124,20 @@ def main() -> int:
         "--kv-transport", default="auto", help="the workers' --kv-transport (auto, tcp, ...)"
     )
     parser.add_argument("--model-shape", choices=("tiny", "midsize"), default="tiny")
+    parser.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        help="one more worker flag (repeatable; e.g. --worker-arg=--checkpoint-small-put-kib=0)",
+    )
     args = parser.parse_args()
     # "off" first (the cluster's own router); a second "off" measures the noise floor.
     policies = ["off", *(f"{p}#{i}" for i, p in enumerate(args.policies.split(","), 1))]
     with tempfile.TemporaryDirectory(prefix="pdserve-ckpt-tpot-") as tmp:
         workdir = Path(tmp)
         workers = tuple(
-            WorkerSpec(w.name, w.role, ("--kv-transport", args.kv_transport)) for w in WORKERS
+            WorkerSpec(w.name, w.role, ("--kv-transport", args.kv_transport, *args.worker_arg))
+            for w in WORKERS
         )
         model_path = None
         if args.model_shape == "midsize":
@@ -175,6 +182,7 @@ def main() -> int:
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
         "kv_transport": args.kv_transport,
+        "worker_args": args.worker_arg,
         "model_shape": args.model_shape,
         "policies": {},
     }

@@ -73,8 +73,15 @@ class CheckpointService:
         self.store = CheckpointStore(
             tier, info, inbox.receiver, lambda: inbox.endpoints, self.sender
         )
+        small_put = config.checkpoint_small_put_kib << 10 if config.kv_transport == "auto" else 0
         self.streams = CheckpointStreams(
-            engine, info, self.peers, self.sender, local, canary=config.checkpoint_canary
+            engine,
+            info,
+            self.peers,
+            self.sender,
+            local,
+            canary=config.checkpoint_canary,
+            small_put_bytes=small_put,
         )
         self.canary_counts: Counter[str] = Counter()
         self.puller = CheckpointPuller(

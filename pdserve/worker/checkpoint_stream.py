@@ -144,7 +144,8 @@ class Replica:
             lease_ttl_s=self.plan.lease_ttl_s,
         )
         reservation = await s.peers.post(self.plan.holder_url, "/checkpoint/put", body, Reservation)
-        destination = destination_of(reservation, None, local=s.local, explicit=False)
+        local = s.transports_for(len(blocks) * s.info.block_bytes)
+        destination = destination_of(reservation, None, local=local, explicit=False)
         tokens = [t for block in block_tokens for t in block]
         num_bytes = await s.sender.send(
             destination,
@@ -246,6 +247,7 @@ class CheckpointStreams:
         local: Sequence[Transport],
         send_timeout_s: float = 10.0,
         canary: bool = False,
+        small_put_bytes: int = 0,
     ) -> None:
         self.engine = engine
         self.info = info
@@ -255,7 +257,16 @@ class CheckpointStreams:
         self.send_timeout_s = send_timeout_s
         # Send the value digest of each put's last position (`--checkpoint-canary`).
         self.canary = canary
+        # Puts of at most this many bytes go over TCP when this worker has it (0: never).
+        self.small_put_bytes = small_put_bytes
         self.counters = StreamCounters()
+
+    def transports_for(self, num_bytes: int) -> tuple[Transport, ...]:
+        """The transports a put of `num_bytes` may use: TCP alone for a small one (see
+        `WorkerConfig.checkpoint_small_put_kib`), else this worker's own."""
+        if num_bytes <= self.small_put_bytes and "tcp" in self.local:
+            return ("tcp",)
+        return self.local
 
     def open(
         self,

@@ -84,6 +84,11 @@ class WorkerConfig:
     # per put on the decode worker), and a resume here uses only checkpoints that can be
     # checked by value. Off: a resume checks by value only where a digest exists.
     checkpoint_canary: bool = False
+    # With `kv_transport` auto, checkpoint puts of at most this many KiB go over TCP: a put
+    # of a few blocks costs 1.5-3x the CPU over shm or NIXL (their slot and agent bookkeeping
+    # per message), and it competes with decode steps for the same cores. 0: puts use the
+    # handoffs' transport. An explicit --kv-transport always wins.
+    checkpoint_small_put_kib: int = 2048
 
     def __post_init__(self) -> None:
         if self.timeline_ring < 1:
@@ -108,6 +113,13 @@ class WorkerConfig:
             raise ConfigError(
                 f"checkpoint-capacity-mb: must be a whole number >= 0,"
                 f" got {self.checkpoint_capacity_mb!r}"
+            )
+        if not isinstance(self.checkpoint_small_put_kib, int) or not (
+            0 <= self.checkpoint_small_put_kib <= 1 << 20
+        ):
+            raise ConfigError(
+                f"checkpoint-small-put-kib: must be a whole number in 0..{1 << 20},"
+                f" got {self.checkpoint_small_put_kib!r}"
             )
         if self.max_waiting < 1:
             raise ConfigError(f"max-waiting: must be >= 1, got {self.max_waiting}")

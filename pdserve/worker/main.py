@@ -121,6 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="send a value digest with every checkpoint put (one extra one-token forward per"
         " put) and resume only from checkpoints checked by value",
     )
+    kv.add_argument(
+        "--checkpoint-small-put-kib",
+        type=int,
+        default=2048,
+        help="with --kv-transport auto, checkpoint puts of at most this many KiB go over TCP"
+        " (cheaper per message than shm or NIXL); 0: the handoffs' transport",
+    )
     sec = p.add_argument_group("security and admission")
     sec.add_argument(
         "--cluster-secret-file",
@@ -196,6 +203,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         kv_max_connections=args.kv_max_connections,
         checkpoint_capacity_mb=args.checkpoint_capacity_mb,
         checkpoint_canary=args.checkpoint_canary,
+        checkpoint_small_put_kib=args.checkpoint_small_put_kib,
         max_waiting=args.max_waiting,
         role=args.role,
         host=args.host,

@@ -8,14 +8,16 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 from checkpoint_fakes import FakeSender
 
 from pdserve.engine.block_manager import prefix_block_hashes
 from pdserve.engine.canary import ValueDigest
-from pdserve.errors import PeerCallError, RequestNotFound
+from pdserve.errors import ConfigError, PeerCallError, RequestNotFound
 from pdserve.worker.checkpoint_protocol import CheckpointOwner, CheckpointPut
 from pdserve.worker.checkpoint_stream import CheckpointStreams, on_tokens
+from pdserve.worker.config import WorkerConfig
 from pdserve.worker.engine_loop import EngineInfo
 from pdserve.worker.protocol import CheckpointPlan, KVEndpoint, Reservation
 
@@ -142,3 +144,25 @@ def _delta(tokens: list[int]) -> Any:
     from pdserve.engine.engine import RequestDelta
 
     return RequestDelta("r", tuple(tokens), False, None)
+
+
+def test_small_puts_go_over_tcp_and_large_ones_over_the_workers_best_transport() -> None:
+    loop, peers, sender = FakeLoop(), FakePeers(), FakeSender(8)
+    local = ("nixl", "shm", "tcp")
+
+    def streams(small: int, have: tuple[str, ...] = local) -> CheckpointStreams:
+        return CheckpointStreams(loop, INFO, peers, sender, have, small_put_bytes=small)  # type: ignore[arg-type]
+
+    s = streams(2 << 20)
+    assert s.transports_for(64 << 10) == ("tcp",)
+    assert s.transports_for(2 << 20) == ("tcp",)
+    assert s.transports_for((2 << 20) + 1) == local
+    # Off, or a worker without TCP among its transports (an explicit --kv-transport): as is.
+    assert streams(0).transports_for(1) == local
+    assert streams(2 << 20, ("shm",)).transports_for(1) == ("shm",)
+
+
+@pytest.mark.parametrize("bad", [-1, (1 << 20) + 1, 1.5])
+def test_a_bad_small_put_size_is_refused_naming_the_flag(bad: object) -> None:
+    with pytest.raises(ConfigError, match="checkpoint-small-put-kib"):
+        WorkerConfig(checkpoint_small_put_kib=bad)  # type: ignore[arg-type]
