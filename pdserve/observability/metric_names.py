@@ -441,6 +441,13 @@ WORKER_CHECKPOINT_PUT_BYTES = _spec(
     "KV bytes this worker replicated to checkpoint holders",
     *_W,
 )
+WORKER_CHECKPOINT_PUT_TRANSPORT_BYTES = _spec(
+    "pdserve_worker_checkpoint_put_transport_bytes_total",
+    "counter",
+    "KV bytes replicated to checkpoint holders, by the transport that carried them",
+    *_W,
+    "transport",
+)
 WORKER_CHECKPOINT_STREAM_FAILURES = _spec(
     "pdserve_worker_checkpoint_stream_failures_total",
     "counter",

@@ -223,6 +223,10 @@ class CheckpointService:
         ):
             lines += render_family(spec, [(w, value)])
         lines += render_family(
+            m.WORKER_CHECKPOINT_PUT_TRANSPORT_BYTES,
+            by_label(w, "transport", counters.bytes_by_transport),
+        )
+        lines += render_family(
             m.WORKER_CHECKPOINT_STREAM_FAILURES, by_label(w, "error", counters.failures)
         )
         lines += render_family(

@@ -59,6 +59,8 @@ class StreamCounters:
     num_puts: int = 0
     num_blocks_put: int = 0
     num_bytes_put: int = 0
+    # Bytes put, by the transport that carried them (small puts ride TCP under auto).
+    bytes_by_transport: Counter[str] = field(default_factory=Counter)
     # Replicas that stopped because the holder failed, by error class.
     failures: Counter[str] = field(default_factory=Counter)
 
@@ -161,6 +163,7 @@ class Replica:
         s.counters.num_puts += 1
         s.counters.num_blocks_put += end - start
         s.counters.num_bytes_put += num_bytes
+        s.counters.bytes_by_transport[destination.transport] += num_bytes
 
     async def _renew(self) -> None:
         body = CheckpointOwner(owner=self.owner, lease_ttl_s=self.plan.lease_ttl_s)

@@ -111,6 +111,7 @@ def test_every_block_goes_once_in_a_chain_and_the_end_releases() -> None:
         first = ValueDigest.decode(sender.digests[0])
         assert first.position == 7 and first.top_ids[0] == tokens[7] % 16
         assert streams.counters.num_blocks_put == 4 and streams.counters.num_bytes_put == 32
+        assert streams.counters.bytes_by_transport == {"tcp": 32}  # the holder offers TCP
         await replica.close()
         assert peers.posts[-1] == ("/checkpoint/release", CheckpointOwner(owner="r"))
 
