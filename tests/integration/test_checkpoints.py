@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -280,3 +281,32 @@ def test_a_resume_pulls_from_a_peers_prefix_cache_when_the_holder_is_gone(
         grew("pdserve_worker_checkpoint_resumes_total{path=recompute,reason=holder_unreachable}")
         == 0
     )
+
+
+def test_a_planned_generate_puts_every_block_over_tcp_and_releases_them_at_the_end(
+    trio: tuple[WorkerHandle, WorkerHandle, WorkerHandle],
+) -> None:
+    """Under `--kv-transport auto` (shared memory is there on this host) a checkpoint put of a
+    few blocks rides TCP (`--checkpoint-small-put-kib`), and the metric says so; the request's
+    end releases what the holder held."""
+    decode, holder, _ = trio
+    assert "shm" in {e["transport"] for e in decode.health["kv_endpoints"]}  # type: ignore[index, union-attr]
+    prompt = list(range(400, 470))
+    before = metrics(decode.url)
+    plan = {"holder_url": holder.url, "policy": "every-1", "lease_ttl_s": 30.0}
+    assert len(generate(decode.url, "planned", [], prompt, checkpoint=plan)) == 40
+    after = metrics(decode.url)
+
+    def grown(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
+
+    put = grown("pdserve_worker_checkpoint_put_bytes_total")
+    assert put >= 4 * 65536  # 109 tokens of KV: six full 64 KiB blocks of the tiny model
+    family = "pdserve_worker_checkpoint_put_transport_bytes_total"
+    by_transport = {k: grown(k) for k in after if k.startswith(family) and grown(k)}
+    assert by_transport == {f"{family}{{transport=tcp}}": put}
+    # The end released the owner's lease at the holder: nothing stays held for it.
+    deadline = time.monotonic() + 10
+    while metrics(holder.url)["pdserve_worker_checkpoint_owners"] != 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
