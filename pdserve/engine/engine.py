@@ -393,30 +393,30 @@ class Engine:
             if sampled is None and error is None:
                 continue
             prompt_logprobs = None
-            status: RequestStatus | None = RequestStatus.FINISHED_ERROR
-            if error is None and sampled is not None:
+            status: RequestStatus | None = None
+            if sampled is not None:
                 try:
                     prompt_logprobs, status = self._take_token(request, sampled.token_id, now)
                 except Exception as exc:
                     error = exc
-                    status = RequestStatus.FINISHED_ERROR
             if error is not None:
                 # This request alone ends with finish reason "error"; the batch goes on.
                 logger.error("request %s failed in its step: %r", rid, error)
-                request.finish_ns = now
-                self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
-            elif status is not None:
+                status = RequestStatus.FINISHED_ERROR
+            if status is not None:
                 request.finish_ns = now
                 self.scheduler.finish(request, status)
+            # A failed request's token (if one was drawn) is not delivered.
+            emitted = sampled if error is None else None
             deltas.append(
                 RequestDelta(
                     rid,
-                    () if error is not None or sampled is None else (sampled.token_id,),
+                    () if emitted is None else (emitted.token_id,),
                     status is not None,
                     status.finish_reason if status else None,
                     logprobs=()
-                    if error is not None or sampled is None or sampled.logprobs is None
-                    else (sampled.logprobs,),
+                    if emitted is None or emitted.logprobs is None
+                    else (emitted.logprobs,),
                     prompt_logprobs=prompt_logprobs,
                     num_cached_tokens=request.num_cached_tokens,
                     step=facts,
