@@ -29,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -38,6 +39,7 @@ from pdserve.bench.chaos_cluster import ChaosCluster
 from pdserve.bench.chaos_scenarios import WorkerSpec
 from pdserve.bench.completion_client import stream_completion
 from pdserve.bench.kv_heavy_model import KVHeavyShape, build_kv_heavy_checkpoint
+from pdserve.observability.exposition import parse as parse_exposition
 from pdserve.supervise.process import (
     Child,
     exit_on_sigterm,
@@ -111,6 +113,27 @@ async def one_round(
     return tpots
 
 
+def put_counters(urls: list[str]) -> dict[str, float]:
+    """Checkpoint puts by path, blocks put and replica failures, summed over `urls`."""
+    wanted = {
+        "pdserve_worker_checkpoint_puts_total": "path",
+        "pdserve_worker_checkpoint_put_blocks_total": None,
+        "pdserve_worker_checkpoint_stream_failures_total": "error",
+    }
+    out: dict[str, float] = {}
+    for url in urls:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+            samples = parse_exposition(resp.read().decode())
+        for sample in samples:
+            if sample.name not in wanted:
+                continue
+            label = wanted[sample.name]
+            short = sample.name.removeprefix("pdserve_worker_checkpoint_").removesuffix("_total")
+            key = f"{short}:{sample.label(label)}" if label else short
+            out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
 def main() -> int:
     exit_on_sigterm()  # a SIGTERM stops the clusters it started (their finally blocks)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -172,6 +195,9 @@ def main() -> int:
                             seed=r * len(policies) + i,
                         )
                     )
+            # What the checkpoints did, summed over the decode workers: a cheap policy that
+            # stopped replicating after a failure would look cheap for the wrong reason.
+            puts = put_counters([cluster.url(w.name) for w in WORKERS if w.role == "decode"])
         finally:
             stop_children(routers)
             cluster.stop()
@@ -184,6 +210,7 @@ def main() -> int:
         "kv_transport": args.kv_transport,
         "worker_args": args.worker_arg,
         "model_shape": args.model_shape,
+        "checkpoint_counters": puts,
         "policies": {},
     }
     print(f"{'checkpoint':<12} {'TPOT p50 ms':>12} {'p90 ms':>8} {'vs off':>8}")
@@ -198,6 +225,7 @@ def main() -> int:
             "num_requests": len(values),
         }
         print(f"{policy:<12} {p50 * 1e3:>12.2f} {p90 * 1e3:>8.2f} {ratio:>8.3f}")
+    print("checkpoint counters (decode workers):", ", ".join(f"{k}={v:g}" for k, v in puts.items()))
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0

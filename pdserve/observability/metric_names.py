@@ -448,6 +448,20 @@ WORKER_CHECKPOINT_PUT_TRANSPORT_BYTES = _spec(
     *_W,
     "transport",
 )
+WORKER_CHECKPOINT_PUTS = _spec(
+    "pdserve_worker_checkpoint_puts_total",
+    "counter",
+    "Checkpoint puts this worker sent, by how: over a replication link or a transfer session",
+    *_W,
+    "path",
+)
+WORKER_CHECKPOINT_LINK_PUTS_RECEIVED = _spec(
+    "pdserve_worker_checkpoint_link_puts_received_total",
+    "counter",
+    "Checkpoint puts received over replication links as a holder, by result (held, or why refused)",
+    *_W,
+    "result",
+)
 WORKER_CHECKPOINT_STREAM_FAILURES = _spec(
     "pdserve_worker_checkpoint_stream_failures_total",
     "counter",

@@ -1,7 +1,7 @@
 """The wire frame: one fixed header layout, sans-I/O encode and decode, and a fed decoder.
 
 Frame = header (72 bytes) + body (typed message, <= 64 KiB) + data (raw KV bytes, <= 64 MiB,
-Chunk only). The header is one `struct` layout, little-endian, fields 8-byte aligned:
+Chunk and Put only, `DATA_TYPES`). The header is one `struct` layout, little-endian, fields 8-byte aligned:
 
     off size field
       0   4  magic            b"PDKV"
@@ -49,6 +49,7 @@ from pdserve.errors import (
     UnsupportedVersion,
 )
 from pdserve.transfer.messages import (
+    DATA_TYPES,
     PROTOCOL_VERSION,
     TRANSFER_ID_BYTES,
     Chunk,
@@ -125,7 +126,7 @@ def encode(
 ) -> list[bytes | memoryview]:
     """Frame `message` for sending: `[header + body, *data buffers]`, data never copied.
 
-    `data` (Chunk only) is one buffer or a sequence of C-contiguous buffers, e.g. the memory
+    `data` (Chunk and Put only) is one buffer or a sequence of C-contiguous buffers, e.g. the memory
     of consecutive KV blocks; bytes and byte memoryviews are returned as the same objects.
     The data checksum is streamed over them and must equal the Chunk's payload_checksum (it
     catches KV memory that changed after the Chunk was built); `verify_data=False` trusts the
@@ -141,6 +142,10 @@ def encode(
             raise ValueError(
                 f"Chunk.payload_checksum {message.payload_checksum:#x} != data {checksum:#x}"
             )
+    elif message.TYPE in DATA_TYPES:
+        if data_len == 0:
+            raise ValueError(f"a {type(message).__name__} needs its data")
+        checksum = data_checksum(views)
     elif data_len:
         raise ValueError(f"{type(message).__name__} frames carry no data")
     else:
@@ -213,7 +218,7 @@ def decode_header(
         raise FrameTooLarge(f"{kind.name} body_len {body_len} exceeds {max_body_bytes}")
     if data_len > max_data_bytes:
         raise FrameTooLarge(f"{kind.name} data_len {data_len} exceeds {max_data_bytes}")
-    if (data_len > 0) != (kind is MsgType.CHUNK):
+    if (data_len > 0) != (kind in DATA_TYPES):
         raise ProtocolError(f"{kind.name} frame with data_len {data_len}")
     return FrameHeader(
         kind, flags, transfer_id, attempt, seq, body_len, data_len, body_checksum, checksum

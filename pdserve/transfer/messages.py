@@ -14,6 +14,12 @@ moves); Begin carries the reservation's lease epoch (a sender fenced by a newer 
 refused); Commit carries the prefill side's value digest of the KV (the canary, opaque here).
     S: Renew  → R: Ack(RENEW) at any point while the attempt is open; either side: Abort
 
+A checkpoint replication link (`link_session.py`) reuses the frames for a long-lived stream
+from a decode worker (W) to its checkpoint holder (H), one handshake per connection:
+
+    W: Hello(REPLICA) → H: Hello (its MAC binds W's link id and H's fresh nonce)
+    W: Put + data → H: Ack(PUT) (or Nack: CHECKPOINT_REFUSED, CHECKSUM_MISMATCH, …), repeated
+
 Every message is a frozen slots dataclass. Its `WIRE` tuple lists `(field, codec)` pairs in
 dataclass order (checked at import); `encode_body` and `decode_message` both walk that tuple,
 so there is no second, hand-kept unpacking order. Bodies are struct-packed and bounded
@@ -46,6 +52,7 @@ from pdserve.transfer.wire import (
     Reader,
     Schema,
     Str,
+    U32Array,
     UInt,
     check_schema,
     encode_fingerprint,
@@ -77,6 +84,7 @@ class MsgType(IntEnum):
     NACK = 6
     RENEW = 7
     ABORT = 8
+    PUT = 9
 
 
 class Role(IntEnum):
@@ -85,6 +93,8 @@ class Role(IntEnum):
     PREFILL = 1
     DECODE = 2
     BOTH = 3
+    # The writer of a checkpoint replication link (a decode worker sending its requests' KV).
+    REPLICA = 4
 
 
 class AckOf(IntEnum):
@@ -93,6 +103,7 @@ class AckOf(IntEnum):
     BEGIN = 1
     COMMIT = 2
     RENEW = 3
+    PUT = 4
 
 
 class NackCode(IntEnum):
@@ -113,6 +124,8 @@ class NackCode(IntEnum):
     UNKNOWN_TRANSFER = 12
     # The peer's Hello carries no valid MAC under the cluster secret.
     UNAUTHENTICATED = 13
+    # A checkpoint holder refused a Put (full, chain, version): the writer stops replicating.
+    CHECKPOINT_REFUSED = 14
 
 
 # Damage in flight (checksums, lost frames) is worth a resend; a refusal on identity is not.
@@ -294,11 +307,51 @@ class Abort:
     WIRE: ClassVar[Schema] = (("reason", Str(MAX_TEXT_BYTES)),)
 
 
-Message = Hello | Begin | Chunk | Commit | Ack | Nack | Renew | Abort
+# Tokens of one Put: its body stays far below the frame's 64 KiB bound.
+MAX_PUT_TOKENS = 8192
+MAX_OWNER_BYTES = MAX_REQUEST_ID_BYTES
+# HMAC-SHA256 tag of a Put under its link's key (`link_session.put_mac`); b"" without a secret.
+PUT_AUTH_BYTES = 32
+
+
+@dataclass(frozen=True, slots=True)
+class Put:
+    """Checkpoint blocks of `owner` on a replication link; their bytes follow as the data.
+
+    The blocks continue the owner's chain after `parent_hash` (0: from the first block), the
+    first covering `first_version` tokens; `token_ids` are whole blocks, so the holder derives
+    every block's hash itself and the data is `len(token_ids) / block_size` blocks.
+    """
+
+    owner: str
+    parent_hash: int
+    first_version: int
+    token_ids: tuple[int, ...]
+    # The owner's lease at the holder is extended by this (a Put is also a renewal).
+    lease_ttl: float
+    # The writer's digest of what the last block computes (the canary); b"": none.
+    value_digest: bytes = b""
+    auth: bytes = b""
+
+    TYPE: ClassVar[MsgType] = MsgType.PUT
+    WIRE: ClassVar[Schema] = (
+        ("owner", Str(MAX_OWNER_BYTES)),
+        ("parent_hash", UInt(64)),
+        ("first_version", UInt(64, lo=1)),
+        ("token_ids", U32Array(1, MAX_PUT_TOKENS)),
+        ("lease_ttl", PositiveFloat()),
+        ("value_digest", Bytes(0, MAX_VALUE_DIGEST_BYTES)),
+        ("auth", Bytes(0, PUT_AUTH_BYTES)),
+    )
+
+
+Message = Hello | Begin | Chunk | Commit | Ack | Nack | Renew | Abort | Put
 
 MESSAGE_TYPES: Mapping[MsgType, type[Message]] = MappingProxyType(
-    {cls.TYPE: cls for cls in (Hello, Begin, Chunk, Commit, Ack, Nack, Renew, Abort)}
+    {cls.TYPE: cls for cls in (Hello, Begin, Chunk, Commit, Ack, Nack, Renew, Abort, Put)}
 )
+# Messages whose frame carries data after the body (and only these).
+DATA_TYPES = frozenset({MsgType.CHUNK, MsgType.PUT})
 for _cls in (KVLayout, *MESSAGE_TYPES.values()):
     check_schema(_cls)
 

@@ -52,7 +52,7 @@ from pdserve.errors import PdserveError, StaleAttempt, TransferError, TransferTi
 from pdserve.transfer.byte_ranges import payload_views
 from pdserve.transfer.codec import Envelope, FrameHeader
 from pdserve.transfer.framing import discard_data, read_frame, write_frame
-from pdserve.transfer.messages import Begin, Chunk, Hello, Message, Nack, NackCode, Renew
+from pdserve.transfer.messages import Begin, Chunk, Hello, Message, Nack, NackCode, Renew, Role
 from pdserve.transfer.receiver_session import ReceivePlan, ReceiverSession
 from pdserve.transfer.session import FingerprintMap, Outbound
 from pdserve.transfer.stream import ByteStream
@@ -112,6 +112,10 @@ class IncomingTransfer:
 ChunkHook = Callable[[], Awaitable[bool]]
 """Awaited once per accepted Chunk, before its data lands; False drops the connection."""
 
+LinkHandler = Callable[[ByteStream, FrameHeader, Hello, str], Awaitable[None]]
+"""Serves a connection whose first frame is a checkpoint link's Hello (`Role.REPLICA`), to
+its end: the checkpoint holder's side of `link_session.py`."""
+
 
 class KVReceiver:
     """All transfers one decode endpoint expects; `handle` serves one connection.
@@ -138,6 +142,8 @@ class KVReceiver:
         self.num_fenced_writers = 0
         # Failed attempts by the error class that ended them ("dropped" for a cut link).
         self.failed_attempts_by_reason: Counter[str] = Counter()
+        # Who serves checkpoint links arriving on this endpoint (None: they are refused).
+        self.link_handler: LinkHandler | None = None
 
     def expect(self, incoming: IncomingTransfer) -> None:
         """Register a reservation; frames for its transfer id are accepted from now on."""
@@ -178,6 +184,7 @@ class KVReceiver:
         # The transfer this connection is the writer of, if any.
         current: IncomingTransfer | None = None
         timeout = self.limits.handshake_timeout_s
+        first = True
         try:
             while True:
                 try:
@@ -185,6 +192,12 @@ class KVReceiver:
                         header, message = await read_frame(stream)
                 except (PdserveError, TimeoutError):
                     return  # end of stream, silence or undecodable bytes: nothing to trust
+                opens_link, first = first and self.link_handler is not None, False
+                if opens_link and isinstance(message, Hello) and message.role is Role.REPLICA:
+                    assert self.link_handler is not None
+                    # A checkpoint link: another protocol from here on, one handler.
+                    await self.link_handler(stream, header, message, transport)
+                    return
                 incoming = self._expected.get(header.transfer_id)
                 if incoming is None or incoming.session is None:
                     if isinstance(message, Hello):

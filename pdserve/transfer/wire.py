@@ -185,6 +185,33 @@ class Bytes:
         return reader.take(n, what)
 
 
+class U32Array:
+    """A tuple of u32 values (token ids) behind a u16 count, `min_items..max_items` long."""
+
+    def __init__(self, min_items: int, max_items: int) -> None:
+        if not 0 <= min_items <= max_items <= 0xFFFF:
+            raise ValueError(f"U32Array: bad bounds [{min_items}, {max_items}]")
+        self._min = min_items
+        self._max = max_items
+
+    def write(self, out: bytearray, value: Any, what: str) -> None:
+        if not isinstance(value, tuple):
+            raise ValueError(f"{what}: expected a tuple, got {type(value).__name__}")
+        if not self._min <= len(value) <= self._max:
+            raise ValueError(f"{what}: {len(value)} items outside [{self._min}, {self._max}]")
+        try:
+            packed = struct.pack(f"<H{len(value)}I", len(value), *value)
+        except struct.error:
+            raise ValueError(f"{what}: items must be integers in [0, 2**32)") from None
+        out += packed
+
+    def read(self, reader: Reader, what: str) -> Any:
+        n: int = reader.unpack("<H", what)
+        if not self._min <= n <= self._max:
+            raise ProtocolError(f"{what}: {n} items outside [{self._min}, {self._max}]")
+        return struct.unpack(f"<{n}I", reader.take(4 * n, what))
+
+
 Schema = tuple[tuple[str, FieldCodec], ...]
 
 

@@ -28,6 +28,8 @@ from pdserve.observability import metric_names as m
 from pdserve.observability.exposition import by_label, render_family
 from pdserve.observability.timeline_log import EventRing
 from pdserve.transfer.sender import SendPolicy
+from pdserve.worker.checkpoint_link import CheckpointLinks
+from pdserve.worker.checkpoint_link_server import LinkServer
 from pdserve.worker.checkpoint_protocol import (
     CheckpointLookup,
     CheckpointOwner,
@@ -74,6 +76,10 @@ class CheckpointService:
             tier, info, inbox.receiver, lambda: inbox.endpoints, self.sender
         )
         small_put = config.checkpoint_small_put_kib << 10 if config.kv_transport == "auto" else 0
+        # Links both ways: this worker's replicas send on them, its holder serves them.
+        self.links = CheckpointLinks(info, config.kv_key) if config.checkpoint_links else None
+        self.link_server = LinkServer(self.store, info, config.kv_key, inbox.receiver.limits)
+        inbox.receiver.link_handler = self.link_server.serve
         self.streams = CheckpointStreams(
             engine,
             info,
@@ -82,6 +88,7 @@ class CheckpointService:
             local,
             canary=config.checkpoint_canary,
             small_put_bytes=small_put,
+            links=self.links,
         )
         self.canary_counts: Counter[str] = Counter()
         self.puller = CheckpointPuller(
@@ -107,6 +114,8 @@ class CheckpointService:
 
     async def aclose(self) -> None:
         await self.store.aclose()
+        if self.links is not None:
+            await self.links.aclose()
         await self.sender.aclose()
         await self.peers.aclose()
 
@@ -225,6 +234,13 @@ class CheckpointService:
         lines += render_family(
             m.WORKER_CHECKPOINT_PUT_TRANSPORT_BYTES,
             by_label(w, "transport", counters.bytes_by_transport),
+        )
+        num_link = counters.num_link_puts
+        paths = {"link": num_link, "session": counters.num_puts - num_link}
+        lines += render_family(m.WORKER_CHECKPOINT_PUTS, by_label(w, "path", paths))
+        lines += render_family(
+            m.WORKER_CHECKPOINT_LINK_PUTS_RECEIVED,
+            by_label(w, "result", self.link_server.puts),
         )
         lines += render_family(
             m.WORKER_CHECKPOINT_STREAM_FAILURES, by_label(w, "error", counters.failures)

@@ -183,6 +183,31 @@ class CheckpointStore:
                 # Timed out, or the owner was released (request ended) while bytes flew.
                 self.tier.abort(pending)
 
+    def begin_direct(
+        self,
+        owner: str,
+        parent_hash: int,
+        first_version: int,
+        block_tokens: list[list[int]],
+        lease_ttl_s: float,
+    ) -> HostPut:
+        """Room for a put whose bytes arrive on a checkpoint link (its fingerprint was checked
+        at the link's handshake); CheckpointRefused as `put`."""
+        pending = self.tier.begin_put(
+            owner, self._info.fingerprint_digest, parent_hash, first_version, block_tokens
+        )
+        self._lease(owner, lease_ttl_s)
+        return pending
+
+    def finish_direct(self, pending: HostPut, verified: bool, value_digest: bytes) -> bool:
+        """Hold a direct put's blocks if its bytes were verified and its owner is still
+        leased, else give its room back; True when held."""
+        if verified and pending.owner in self._leases:
+            self.tier.commit(pending, value_digest)
+            return True
+        self.tier.abort(pending)
+        return False
+
     # ---- owner leases --------------------------------------------------------------------
 
     def _lease(self, owner: str, ttl_s: float) -> None:

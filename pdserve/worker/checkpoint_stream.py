@@ -5,8 +5,11 @@ Life cycle of one request's replica (`Replica`, all on the event loop's thread):
     open (the router's CheckpointPlan)
       each token: `advance` ── is a batch due (`CheckpointPolicy.next_batch`)? ──► wake the task
       the task: copy the blocks [sent, target) on the engine thread (between steps)
-                POST holder /checkpoint/put (their tokens) -> a reservation in its host tier
-                send the copies over the KV transport (checksummed, fingerprinted, acked)
+                over the holder's link, when it has one and the put rides TCP: one Put frame
+                  (tokens, parent, version, checksummed copies) and its Ack
+                else POST holder /checkpoint/put (their tokens) -> a reservation in its host
+                  tier, then the copies in a transfer session (checksummed, fingerprinted,
+                  acked); the reservation names the holder's TCP endpoint for the next puts
                 sent = target; the chained hash of the last block is the next put's parent
       every TTL/3: POST holder /checkpoint/renew (the owner's lease)
     close (the request ended, however) ──► POST holder /checkpoint/release (best effort:
@@ -37,6 +40,11 @@ from pdserve.engine.block_manager import hash_block_tokens
 from pdserve.engine.canary import ValueDigest
 from pdserve.engine.engine import Engine, RequestDelta
 from pdserve.errors import PdserveError, RequestNotFound
+from pdserve.transfer.codec import MAX_DATA_BYTES
+from pdserve.transfer.messages import MAX_PUT_TOKENS, Put
+from pdserve.transfer.stream import Address
+from pdserve.worker import kv_transports
+from pdserve.worker.checkpoint_link import CheckpointLinks
 from pdserve.worker.checkpoint_protocol import (
     CheckpointOwner,
     CheckpointPut,
@@ -59,6 +67,8 @@ class StreamCounters:
     num_puts: int = 0
     num_blocks_put: int = 0
     num_bytes_put: int = 0
+    # Puts sent over a replication link (the rest went through a transfer session each).
+    num_link_puts: int = 0
     # Bytes put, by the transport that carried them (small puts ride TCP under auto).
     bytes_by_transport: Counter[str] = field(default_factory=Counter)
     # Replicas that stopped because the holder failed, by error class.
@@ -137,6 +147,43 @@ class Replica:
         snapshot = _snapshot(self.owner, start, end, self.token_ids[end * bs - 1], bs, s.canary)
         blocks, value_digest = await s.engine.call(snapshot)
         block_tokens = [self.token_ids[i * bs : (i + 1) * bs] for i in range(start, end)]
+        tokens = [t for block in block_tokens for t in block]
+        views = [memoryview(b) for b in blocks]
+        address = s.link_address(self.plan.holder_url, len(blocks) * s.info.block_bytes, tokens)
+        if address is not None and s.links is not None:
+            put = Put(
+                self.owner,
+                self._parent_hash,
+                (start + 1) * bs,
+                tuple(tokens),
+                self.plan.lease_ttl_s,
+                value_digest,
+            )
+            num_bytes = await s.links.put(address, put, views)
+            transport = "tcp"
+            s.counters.num_link_puts += 1
+        else:
+            num_bytes, transport = await self._put_in_session(
+                start, block_tokens, views, value_digest
+            )
+        for block in block_tokens:
+            self._parent_hash = hash_block_tokens(self._parent_hash, block)
+        self.num_sent_blocks = end
+        s.counters.num_puts += 1
+        s.counters.num_blocks_put += end - start
+        s.counters.num_bytes_put += num_bytes
+        s.counters.bytes_by_transport[transport] += num_bytes
+
+    async def _put_in_session(
+        self,
+        start: int,
+        block_tokens: list[list[int]],
+        views: list[memoryview],
+        value_digest: bytes,
+    ) -> tuple[int, str]:
+        """A put through an HTTP reservation and a transfer session: bytes, transport."""
+        s = self._streams
+        bs = s.info.block_size
         body = CheckpointPut(
             owner=self.owner,
             fingerprint_digest=s.info.fingerprint_digest,
@@ -146,24 +193,18 @@ class Replica:
             lease_ttl_s=self.plan.lease_ttl_s,
         )
         reservation = await s.peers.post(self.plan.holder_url, "/checkpoint/put", body, Reservation)
-        local = s.transports_for(len(blocks) * s.info.block_bytes)
+        s.learn_holder(self.plan.holder_url, reservation)
+        local = s.transports_for(len(views) * s.info.block_bytes)
         destination = destination_of(reservation, None, local=local, explicit=False)
-        tokens = [t for block in block_tokens for t in block]
         num_bytes = await s.sender.send(
             destination,
             put_request_id(self.owner, body.first_version),
-            tokens,
-            [memoryview(b) for b in blocks],
+            [t for block in block_tokens for t in block],
+            views,
             s.send_timeout_s,
             value_digest=value_digest,
         )
-        for block in block_tokens:
-            self._parent_hash = hash_block_tokens(self._parent_hash, block)
-        self.num_sent_blocks = end
-        s.counters.num_puts += 1
-        s.counters.num_blocks_put += end - start
-        s.counters.num_bytes_put += num_bytes
-        s.counters.bytes_by_transport[destination.transport] += num_bytes
+        return num_bytes, destination.transport
 
     async def _renew(self) -> None:
         body = CheckpointOwner(owner=self.owner, lease_ttl_s=self.plan.lease_ttl_s)
@@ -251,6 +292,7 @@ class CheckpointStreams:
         send_timeout_s: float = 10.0,
         canary: bool = False,
         small_put_bytes: int = 0,
+        links: CheckpointLinks | None = None,
     ) -> None:
         self.engine = engine
         self.info = info
@@ -262,7 +304,29 @@ class CheckpointStreams:
         self.canary = canary
         # Puts of at most this many bytes go over TCP when this worker has it (0: never).
         self.small_put_bytes = small_put_bytes
+        # Replication links to holders (None: every put in its own transfer session), and
+        # each holder's TCP KV endpoint as its last reservation named it.
+        self.links = links
+        self._holder_tcp: dict[str, Address] = {}
         self.counters = StreamCounters()
+
+    def learn_holder(self, holder_url: str, reservation: Reservation) -> None:
+        """Remember the holder's TCP endpoint (from a reservation it made) for its link."""
+        for i, endpoint in enumerate(reservation.endpoints):
+            if endpoint.transport == "tcp":
+                where = f"reservation.endpoints[{i}].address"
+                self._holder_tcp[holder_url] = kv_transports.parse_address(endpoint.address, where)
+
+    def link_address(
+        self, holder_url: str, num_bytes: int, tokens: Sequence[int]
+    ) -> Address | None:
+        """Where a put of `num_bytes` goes over a link (None: in a session): links on, the
+        put rides TCP and fits one frame, and the holder's TCP endpoint is known."""
+        if self.links is None or len(tokens) > MAX_PUT_TOKENS or num_bytes > MAX_DATA_BYTES:
+            return None
+        if self.transports_for(num_bytes) != ("tcp",):
+            return None
+        return self._holder_tcp.get(holder_url)
 
     def transports_for(self, num_bytes: int) -> tuple[Transport, ...]:
         """The transports a put of `num_bytes` may use: TCP alone for a small one (see

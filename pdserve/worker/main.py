@@ -128,6 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --kv-transport auto, checkpoint puts of at most this many KiB go over TCP"
         " (cheaper per message than shm or NIXL); 0: the handoffs' transport",
     )
+    kv.add_argument(
+        "--checkpoint-links",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send checkpoint puts that go over TCP on one long-lived link per holder (one"
+        " frame and one reply per put); --no-checkpoint-links: an HTTP call and a transfer"
+        " session per put",
+    )
     sec = p.add_argument_group("security and admission")
     sec.add_argument(
         "--cluster-secret-file",
@@ -204,6 +212,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         checkpoint_capacity_mb=args.checkpoint_capacity_mb,
         checkpoint_canary=args.checkpoint_canary,
         checkpoint_small_put_kib=args.checkpoint_small_put_kib,
+        checkpoint_links=args.checkpoint_links,
         max_waiting=args.max_waiting,
         role=args.role,
         host=args.host,

@@ -305,6 +305,13 @@ def test_a_planned_generate_puts_every_block_over_tcp_and_releases_them_at_the_e
     family = "pdserve_worker_checkpoint_put_transport_bytes_total"
     by_transport = {k: grown(k) for k in after if k.startswith(family) and grown(k)}
     assert by_transport == {f"{family}{{transport=tcp}}": put}
+    # The first put this worker sends a holder goes through a reservation, which names the
+    # holder's TCP endpoint; every later one rides the link to it, and the holder held each.
+    link = grown("pdserve_worker_checkpoint_puts_total{path=link}")
+    session = grown("pdserve_worker_checkpoint_puts_total{path=session}")
+    assert link >= 2 and session <= 1, (link, session)  # the prompt's 4 blocks, then 1 + 1
+    held = "pdserve_worker_checkpoint_link_puts_received_total{result=held}"
+    assert metrics(holder.url).get(held, 0) >= link
     # The end released the owner's lease at the holder: nothing stays held for it.
     deadline = time.monotonic() + 10
     while metrics(holder.url)["pdserve_worker_checkpoint_owners"] != 0:
