@@ -446,7 +446,9 @@ def test_garbage_raises_a_protocol_error_or_waits(garbage: bytes) -> None:
 @settings(max_examples=300)
 @given(st.sampled_from(sorted(MESSAGE_TYPES)), st.binary(max_size=120))
 def test_random_bodies_decode_canonically_or_raise(msg_type: MsgType, body: bytes) -> None:
-    header = decode_header(forge_header(msg_type, body=body, data_len=1 if msg_type in DATA_TYPES else 0))
+    header = decode_header(
+        forge_header(msg_type, body=body, data_len=1 if msg_type in DATA_TYPES else 0)
+    )
     try:
         message = decode_body(header, body)
     except ProtocolError:
