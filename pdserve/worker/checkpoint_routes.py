@@ -113,6 +113,7 @@ class CheckpointService:
         self.store.start()
 
     async def aclose(self) -> None:
+        await self.streams.aclose()
         await self.store.aclose()
         if self.links is not None:
             await self.links.aclose()

@@ -227,20 +227,16 @@ class Replica:
             self._renewer.cancel()
 
     async def close(self) -> None:
-        """The request ended: stop and release the holder's copy (best effort)."""
+        """The request ended: stop, and release the holder's copy in the background (best
+        effort: a paused or dead holder must not hold up the end of the request's stream;
+        the owner's lease ends the copy anyway)."""
         self.stopped = True
         for task in (self._task, self._renewer):
             task.cancel()
         for task in (self._task, self._renewer):
             with contextlib.suppress(BaseException):
                 await task
-        with contextlib.suppress(PdserveError):
-            await self._streams.peers.post(
-                self.plan.holder_url,
-                "/checkpoint/release",
-                CheckpointOwner(owner=self.owner),
-                CheckpointReleased,
-            )
+        self._streams.release_later(self.plan.holder_url, self.owner)
 
 
 def _snapshot(
@@ -309,6 +305,31 @@ class CheckpointStreams:
         self.links = links
         self._holder_tcp: dict[str, Address] = {}
         self.counters = StreamCounters()
+        # Releases under way (`Replica.close` does not wait for them).
+        self._releases: set[asyncio.Task[None]] = set()
+
+    def release_later(self, holder_url: str, owner: str) -> None:
+        """Tell the holder, in the background, that `owner` ended (errors are ignored)."""
+
+        async def release() -> None:
+            with contextlib.suppress(PdserveError):
+                await self.peers.post(
+                    holder_url,
+                    "/checkpoint/release",
+                    CheckpointOwner(owner=owner),
+                    CheckpointReleased,
+                )
+
+        task = asyncio.get_running_loop().create_task(release())
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def aclose(self) -> None:
+        """Wait briefly for releases under way, then cancel the rest."""
+        if self._releases:
+            await asyncio.wait(set(self._releases), timeout=1.0)
+        for task in list(self._releases):
+            task.cancel()
 
     def learn_holder(self, holder_url: str, reservation: Reservation) -> None:
         """Remember the holder's TCP endpoint (from a reservation it made) for its link."""

@@ -236,6 +236,47 @@ def test_holder_death_never_fails_the_request(
     wait_clean(handles, CHECKPOINT_TTL_S + 2)
 
 
+def test_a_paused_holder_never_holds_up_the_request(
+    cluster3: tuple[str, list[WorkerHandle]],
+) -> None:
+    """SIGSTOP the holder while puts ride its replication link: the stream goes on and ends
+    at once with the fault-free text; after SIGCONT its copy lapses with the owner's lease."""
+    url, handles = cluster3
+    decodes = [h for h in handles if h.role == "decode"]
+    body = {**BODY, "temperature": 0}
+    reference, _ = stream_tokens(url, body)
+    paused: list[WorkerHandle] = []
+    seen: list[float] = []
+
+    def pause_the_holder(num_chunks: int) -> None:
+        seen.append(time.monotonic())
+        if num_chunks != 60 or paused:
+            return
+        for h in decodes:
+            if metrics(h.url).get("pdserve_worker_checkpoint_owners", 0) > 0:
+                os.kill(h.pid, signal.SIGSTOP)
+                paused.append(h)
+                return
+
+    try:
+        pieces, finish = stream_tokens(url, body, pause_the_holder)
+        ended = time.monotonic()
+        assert paused, "no worker held a checkpoint when the pause was due"
+        assert finish == "length" and "".join(pieces) == "".join(reference)
+        # What the client sees: no wait at the end (the worker's own release call to the
+        # stopped holder goes in the background: tests/unit/checkpoint).
+        assert ended - seen[-1] < 2.0, f"the stream's end waited {ended - seen[-1]:.1f} s"
+        writer = [h for h in decodes if h is not paused[0]]
+        link = sum(
+            metrics(h.url).get("pdserve_worker_checkpoint_puts_total{path=link}", 0) for h in writer
+        )
+        assert link > 0, "no put rode a replication link"
+    finally:
+        for h in paused:
+            os.kill(h.pid, signal.SIGCONT)
+    wait_clean(handles, CHECKPOINT_TTL_S + 3)
+
+
 def test_holder_then_decoder_death_resumes_from_the_prefill_workers_cache(
     cluster3: tuple[str, list[WorkerHandle]],
 ) -> None:

@@ -65,9 +65,13 @@ class FakePeers:
     def __init__(self) -> None:
         self.posts: list[tuple[str, Any]] = []
         self.fail = False
+        # A holder that answers releases this late (a paused one never does).
+        self.release_delay_s = 0.0
 
     async def post(self, url: str, path: str, body: Any, model: type[Any], **_: Any) -> Any:
         self.posts.append((path, body))
+        if path == "/checkpoint/release":
+            await asyncio.sleep(self.release_delay_s)
         if self.fail:
             raise PeerCallError(url, 0, "", "unreachable")
         return RESERVATION if path == "/checkpoint/put" else None
@@ -113,9 +117,28 @@ def test_every_block_goes_once_in_a_chain_and_the_end_releases() -> None:
         assert streams.counters.num_blocks_put == 4 and streams.counters.num_bytes_put == 32
         assert streams.counters.bytes_by_transport == {"tcp": 32}  # the holder offers TCP
         await replica.close()
+        await streams.aclose()  # the release goes in the background
         assert peers.posts[-1] == ("/checkpoint/release", CheckpointOwner(owner="r"))
 
     asyncio.run(scenario())
+
+
+def test_the_end_of_a_request_never_waits_for_a_paused_holder() -> None:
+    async def scenario() -> None:
+        streams, _, peers, _ = _streams()
+        peers.release_delay_s = 60.0  # the holder is stopped: the release hangs
+        plan = CheckpointPlan(holder_url="http://h", policy="prompt", lease_ttl_s=30.0)
+        replica = streams.open("r", plan, list(range(9)), 8)
+        assert replica is not None
+        await asyncio.sleep(0.01)
+        started = asyncio.get_running_loop().time()
+        await replica.close()
+        assert asyncio.get_running_loop().time() - started < 1.0
+        await asyncio.sleep(0.01)  # the release is on its way, in the background
+        assert ("/checkpoint/release", CheckpointOwner(owner="r")) in peers.posts
+        await streams.aclose()  # gives up on it after a moment, leaving no task behind
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
 
 
 def test_a_failing_holder_stops_the_replica_counted_and_an_ended_request_is_not_a_failure() -> None:
