@@ -39,6 +39,7 @@ BODY = {"model": "tiny-v1", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": T
 def _cluster(
     tiny_model_path: Path, tmp_path: Path, num_decode: int, ttl_s: float = CHECKPOINT_TTL_S
 ) -> Iterator[tuple[str, list[WorkerHandle]]]:
+    """`tiny_model_path`: whichever checkpoint the cluster serves."""
     with worker_processes() as handles:
         handles.append(launch_worker("prefill", tmp_path, model=tiny_model_path))
         for _ in range(num_decode):
@@ -72,6 +73,15 @@ def paused_cluster(
 ) -> Iterator[tuple[str, list[WorkerHandle]]]:
     """Two decode workers, checkpoints that outlive the router's drain of a paused one."""
     yield from _cluster(tiny_model_path, tmp_path, 2, PAUSE_CHECKPOINT_TTL_S)
+
+
+@pytest.fixture
+def heavy_cluster(
+    kv_heavy_model_path: Path, tmp_path: Path
+) -> Iterator[tuple[str, list[WorkerHandle]]]:
+    """The pause-proof cluster on the KV-heavy checkpoint: 2 MiB blocks, so a put is a
+    megabyte-sized frame on the replication link and a resume pulls tens of MiB."""
+    yield from _cluster(kv_heavy_model_path, tmp_path, 2, PAUSE_CHECKPOINT_TTL_S)
 
 
 @pytest.fixture
@@ -199,6 +209,48 @@ def test_paused_decoder_resumes_from_its_checkpoint(
     # Past every lease TTL, then woken: it must free what it held, and hold nothing anywhere.
     time.sleep(PAUSE_CHECKPOINT_TTL_S + 1)
     os.kill(paused[0].pid, signal.SIGCONT)
+    wait_clean(handles, PAUSE_CHECKPOINT_TTL_S + 3)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP], ids=["kill", "pause"])
+def test_a_decoder_of_megabyte_blocks_resumes_from_its_checkpoint(
+    heavy_cluster: tuple[str, list[WorkerHandle]], kv_heavy_model_path: Path, signum: int
+) -> None:
+    """At real-model KV sizes (2 MiB blocks): the same resume, exactly once, from KV."""
+    url, handles = heavy_cluster
+    decodes = [h for h in handles if h.role == "decode"]
+    body = {**BODY, "model": kv_heavy_model_path.name, "max_tokens": 200, "temperature": 0}
+    reference, _ = stream_tokens(url, body)
+    faulted: list[WorkerHandle] = []
+
+    def fault(num_chunks: int) -> None:
+        if num_chunks == 80 and not faulted:
+            victim = busy_decoder(url, decodes)
+            if victim is not None:
+                after_a_checkpoint(victim, signum)
+                faulted.append(victim)
+
+    try:
+        pieces, finish = stream_tokens(url, body, fault)
+        assert faulted, "no decode worker had the stream when the fault was due"
+        assert finish == "length" and "".join(pieces) == "".join(reference)
+        recomputed = resumed_from_checkpoint(handles, faulted[0])
+        assert recomputed <= BLOCK_SIZE, f"{recomputed} tokens recomputed"
+        # The writer's puts of single 2 MiB blocks rode its replication link: the holder
+        # (the other decode worker) says so (the writer is dead or stopped).
+        survivor = next(h for h in decodes if h is not faulted[0])
+        held = metrics(survivor.url).get(
+            "pdserve_worker_checkpoint_link_puts_received_total{result=held}", 0
+        )
+        assert held > 0, "the holder received no put over a link"
+        if signum == signal.SIGSTOP:
+            time.sleep(PAUSE_CHECKPOINT_TTL_S + 1)  # past every lease, then woken
+    finally:
+        for h in faulted:
+            if signum == signal.SIGSTOP:
+                os.kill(h.pid, signal.SIGCONT)
+            else:
+                h.proc.wait(5)
     wait_clean(handles, PAUSE_CHECKPOINT_TTL_S + 3)
 
 
