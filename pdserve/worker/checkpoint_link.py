@@ -7,9 +7,12 @@ one holder share its link, one at a time, in the order they were asked.
 
 Failure: a refused put (`CheckpointRefused`: full, chain, version) leaves the link open. Any
 other failure (timeout, closed connection, cancellation in the middle of a frame) closes it;
-the next put opens a new one. A put that fails on a link that had already carried one is tried
-once more on a fresh link: the holder may have closed an idle connection, and a put is
-idempotent there (the same blocks after the same parent are held once).
+the next put opens a new one. A put whose link turns out closed, when that link had already
+carried a put, is tried once more on a fresh link: the holder may have closed an idle
+connection, and a put is idempotent there (the same blocks after the same parent are held
+once). After any other failure (a timeout: the holder is paused or gone) puts to that holder
+fail at once for `timeout_s`, so the replicas queued behind the first do not each wait out
+their own timeout.
 
 It knows the link session, frames and the transport connector; not HTTP, replicas or engines.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Sequence
 
 from pdserve.errors import CheckpointRefused, PdserveError, PeerClosed, TransferTimeout
@@ -40,6 +44,9 @@ class _Link:
         self.stream: ByteStream | None = None
         self.session: LinkWriter | None = None
         self.num_puts = 0
+        # Monotonic second until which puts fail at once, and why (after a failure).
+        self.down_until = 0.0
+        self.down_reason = ""
 
     async def close(self) -> None:
         stream, self.stream, self.session = self.stream, None, None
@@ -73,15 +80,26 @@ class CheckpointLinks:
         CheckpointRefused when the holder refused it, a transfer error when it failed."""
         link = self._links.setdefault(address, _Link(address))
         async with link.lock:
+            now = time.monotonic()
+            if now < link.down_until:
+                raise PeerClosed(
+                    f"checkpoint link to {address[0]}:{address[1]} failed"
+                    f" {self._timeout_s - (link.down_until - now):.1f}s ago: {link.down_reason}"
+                )
             reused = link.stream is not None and link.num_puts > 0
             try:
+                try:
+                    return await self._put(link, put, blocks)
+                except PeerClosed:
+                    if not reused:
+                        raise
                 return await self._put(link, put, blocks)
             except CheckpointRefused:
                 raise
             except PdserveError as exc:
-                if not (reused and exc.retryable):
-                    raise
-            return await self._put(link, put, blocks)
+                link.down_until = time.monotonic() + self._timeout_s
+                link.down_reason = f"{type(exc).__name__}: {exc}"
+                raise
 
     async def _put(self, link: _Link, put: Put, blocks: Sequence[memoryview]) -> int:
         where = f"checkpoint link to {link.address[0]}:{link.address[1]}"

@@ -17,7 +17,7 @@ import pytest
 
 from pdserve.checkpoint.host_tier import HostTier
 from pdserve.engine.block_manager import hash_block_tokens, prefix_block_hashes
-from pdserve.errors import CheckpointRefused, TransferRefused
+from pdserve.errors import CheckpointRefused, TransferError, TransferRefused, TransferTimeout
 from pdserve.transfer.messages import Put
 from pdserve.transfer.receiver import KVReceiver, ReceiverLimits
 from pdserve.transfer.stream import Address, Buffer, ByteStream
@@ -250,3 +250,29 @@ def test_a_direct_put_whose_owner_was_released_while_its_bytes_arrived_is_not_he
     assert not store.finish_direct(pending, True, b"")
     assert tier.num_blocks == 0 and tier.reserved_bytes == 0
     tier.check_invariants()
+
+
+def test_puts_to_a_silent_holder_fail_fast_after_the_first_timeout() -> None:
+    """A paused holder: the first put waits out its timeout, those queued behind it and
+    those right after fail at once instead of each waiting its own."""
+
+    async def main() -> None:
+        async def silent(stream: ByteStream) -> None:
+            await asyncio.sleep(30)  # accepts the connection, never answers
+
+        server = await serve_tcp(silent)
+        links = CheckpointLinks(INFO, KEY, timeout_s=0.3)
+        loop = asyncio.get_running_loop()
+        try:
+            started = loop.time()
+            puts = [links.put(server.address, put_of(i), views(block(i))) for i in range(5)]
+            results = await asyncio.gather(*puts, return_exceptions=True)
+            assert all(isinstance(r, TransferError) for r in results), results
+            assert loop.time() - started < 1.0  # one timeout, not five
+            assert isinstance(results[0], TransferTimeout)
+            assert all("failed" in str(r) for r in results[1:])
+        finally:
+            await links.aclose()
+            await server.aclose()
+
+    asyncio.run(asyncio.wait_for(main(), 20))
