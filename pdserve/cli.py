@@ -72,6 +72,10 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block")
 
 
+# `pdserve bench engine --model-shape` choices: "tiny" and `bench.model_shapes.SHAPES`.
+MODEL_SHAPES = ("tiny", "smollm-135m")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (exposed for tests and docs)."""
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
@@ -258,7 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument(
         "--model-shape",
         action="append",
-        choices=("tiny", "smollm-135m"),
+        # Spelled out here so the CLI parses without importing torch; a unit test keeps it
+        # equal to `bench.model_shapes.SHAPES`.
+        choices=MODEL_SHAPES,
         default=None,
         help="measure this shape (repeatable; default: both, or tiny with --quick); a random"
         " checkpoint of the shape is written by transformers, nothing is downloaded",

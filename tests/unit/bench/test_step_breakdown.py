@@ -79,3 +79,9 @@ def test_shapes_are_named_and_an_unknown_name_is_refused(tmp_path: Path) -> None
     with pytest.raises(ConfigError, match="--model-shape: 'gpt-5'"):
         model_shapes.build_shape_checkpoint("gpt-5", tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+def test_the_cli_offers_exactly_the_shapes_that_exist() -> None:
+    from pdserve.cli import MODEL_SHAPES
+
+    assert set(MODEL_SHAPES) == {"tiny", *model_shapes.SHAPES}
