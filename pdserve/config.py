@@ -57,6 +57,10 @@ class EngineConfig:
     # Longest prompt + output a request may have; None: the model's max_position_embeddings
     # (a larger value is refused when the model loads).
     max_model_len: int | None = None
+    # The KV cache in an exported memfd arena that same-host peers map read-only, so the
+    # shared-memory transport hands a handoff's blocks over with one copy (the receiver's)
+    # instead of two. Set by workers that send KV over shm; nothing else changes.
+    shared_kv: bool = False
     model: ModelLoadConfig = field(default_factory=ModelLoadConfig)
 
     def __post_init__(self) -> None:

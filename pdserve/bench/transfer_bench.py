@@ -214,7 +214,8 @@ class _Sender:
     def __init__(self, config: TransferBenchConfig, fingerprint: dict[str, str], key: bytes):
         spec = config.layout
         self.config = config
-        self.kv = new_kv_cache(spec, config.num_blocks)
+        # The sending engine's KV as a prefill worker keeps it (`EngineConfig.shared_kv`).
+        self.kv = new_kv_cache(spec, config.num_blocks, shared=True)
         if self.kv.block_bytes != spec.block_bytes:
             raise BenchError(f"KV cache blocks of {self.kv.block_bytes} bytes, layout says {spec}")
         self.blocks = self.kv.block_views(list(range(config.num_blocks)))

@@ -170,8 +170,9 @@ def touch(view: memoryview, value: int) -> None:
     np.frombuffer(view, dtype=np.uint8).fill(value)
 
 
-def new_kv_cache(layout: LayoutSpec, num_blocks: int) -> KVCache:
-    """An engine's KV memory of `layout` with `num_blocks` blocks (zeroed)."""
+def new_kv_cache(layout: LayoutSpec, num_blocks: int, shared: bool = False) -> KVCache:
+    """An engine's KV memory of `layout` with `num_blocks` blocks (zeroed); `shared`: in an
+    exported arena, as a prefill worker that sends over shared memory keeps it."""
     return KVCache(
         num_blocks,
         layout.num_layers,
@@ -179,6 +180,7 @@ def new_kv_cache(layout: LayoutSpec, num_blocks: int) -> KVCache:
         layout.num_kv_heads,
         layout.head_dim,
         layout.dtype,
+        shared=shared,
     )
 
 

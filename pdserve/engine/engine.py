@@ -116,7 +116,13 @@ class Engine:
             ),
         )
         self.kv_cache = KVCache(
-            num_blocks, mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, model.dtype
+            num_blocks,
+            mc.num_layers,
+            config.block_size,
+            mc.num_kv_heads,
+            mc.head_dim,
+            model.dtype,
+            shared=config.shared_kv,
         )
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching, kv_events

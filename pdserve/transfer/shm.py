@@ -8,9 +8,16 @@ returns the credit (see `slot_stream` for the protocol). Two copies, no sockets 
 
 Handshake (symmetric, over the control stream):
     HELLO(magic, version, num_slots, slot_bytes, inbox name) → map the peer's inbox
-    → ATTACHED → on the peer's ATTACHED, unlink the own inbox file.
+    → ATTACHED → on the peer's ATTACHED, unlink the own inbox file
+    → ARENAS(each exported arena: pid, fd, size) → map the peer's, read-only, where possible
+    → MAPPED(one byte per peer arena: 1 if mapped) → the peer sends those by reference.
 So no /dev/shm name outlives the handshake: a process that dies later leaks nothing, and the
-mappings vanish with the last process holding them. A failed handshake unlinks at once.
+mappings vanish with the last process holding them (arenas are memfds, never named). A failed
+handshake unlinks at once.
+
+Bytes that lie in an exported arena (a prefill engine's KV cache, `transfer/arena.py`) travel
+by reference: the receiver copies them straight out of its mapping of the sender's arena, one
+copy instead of two; everything else goes through slots.
 
 This module knows segments, slots and the handshake, not the KV codec or sessions.
 """
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import mmap
 import os
 import re
@@ -28,16 +36,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.errors import BadMagic, ProtocolError, UnsupportedVersion
+from pdserve.transfer import arena
 from pdserve.transfer.slot_stream import Announce, SlotStream
 from pdserve.transfer.stream import Address, ByteStream, StreamHandler
 from pdserve.transfer.tcp import TcpServer, open_tcp_stream, serve_tcp
+
+log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "pdserve-shm-"
 _NAME_RE = re.compile(r"pdserve-shm-[0-9]+-[0-9a-f]{16}")
 _HELLO = struct.Struct("<4sHHIQH")  # magic, version, reserved, num_slots, slot_bytes, name length
 _MAGIC = b"PDSM"
-_VERSION = 1
+_VERSION = 2
+_ARENA_COUNT = struct.Struct("<H")
+_ARENA = struct.Struct("<IIQ")  # pid, fd, num_bytes
+# Arenas one side may announce (a process exports one per engine).
+MAX_ARENAS = 16
 _ATTACHED = b"A"
 _PAGE_BYTES = mmap.PAGESIZE
 
@@ -138,7 +153,9 @@ async def connect_shm(control: ByteStream, config: ShmConfig | None = None) -> S
         if magic != _MAGIC:
             raise BadMagic(f"shm handshake: magic {magic!r}, expected {_MAGIC!r}")
         if version != _VERSION:
-            raise UnsupportedVersion(f"shm handshake: version {version}, this build speaks 1")
+            raise UnsupportedVersion(
+                f"shm handshake: version {version}, this build speaks {_VERSION}"
+            )
         peer_name = bytearray(name_len)
         await control.receive_into(memoryview(peer_name))
         if not _NAME_RE.fullmatch(peer_name.decode(errors="replace")):
@@ -150,11 +167,20 @@ async def connect_shm(control: ByteStream, config: ShmConfig | None = None) -> S
         if ack != _ATTACHED:
             raise ProtocolError(f"shm handshake: expected ATTACHED, got {bytes(ack)!r}")
         inbox.unlink()
+        exported, peer_maps = await _exchange_arenas(control)
     except BaseException:
         inbox.close()
         if outbox is not None:
             outbox.close()
         raise
+
+    def close() -> None:
+        inbox.close()
+        for m in peer_maps:
+            if m is not None:
+                with contextlib.suppress(BufferError):
+                    m.close()
+
     return SlotStream(
         control,
         inbox=memoryview(inbox.map),
@@ -162,9 +188,54 @@ async def connect_shm(control: ByteStream, config: ShmConfig | None = None) -> S
         writer=_ShmWriter(outbox, peer_slot_bytes),
         peer_num_slots=peer_num_slots,
         peer_slot_bytes=peer_slot_bytes,
-        on_close=inbox.close,
+        on_close=close,
         name=f"shm {name}",
+        exported=exported,
+        peer_arenas=[memoryview(m) if m is not None else None for m in peer_maps],
     )
+
+
+async def _exchange_arenas(
+    control: ByteStream,
+) -> tuple[list[arena.Arena | None], list[mmap.mmap | None]]:
+    """ARENAS and MAPPED both ways: our arenas the peer mapped (None where it could not), and
+    the peer's arenas as mapped here (None where they could not be)."""
+    mine = arena.exported()[:MAX_ARENAS]
+    table = [_ARENA_COUNT.pack(len(mine)), *(_ARENA.pack(*_info(a)) for a in mine)]
+    await control.send(table)
+    count = bytearray(_ARENA_COUNT.size)
+    await control.receive_into(memoryview(count))
+    (num_peer,) = _ARENA_COUNT.unpack(count)
+    if num_peer > MAX_ARENAS:
+        raise ProtocolError(f"shm handshake: {num_peer} arenas announced, at most {MAX_ARENAS}")
+    peer_maps: list[mmap.mmap | None] = []
+    try:
+        for _ in range(num_peer):
+            raw = bytearray(_ARENA.size)
+            await control.receive_into(memoryview(raw))
+            pid, fd, num_bytes = _ARENA.unpack(raw)
+            peer_maps.append(arena.map_peer(arena.ArenaInfo(pid, fd, num_bytes)))
+        if peer_maps:
+            await control.send([bytes(m is not None for m in peer_maps)])
+        mapped = bytearray(len(mine))
+        if mine:
+            await control.receive_into(memoryview(mapped))
+    except BaseException:
+        for m in peer_maps:
+            if m is not None:
+                m.close()
+        raise
+    if any(flag > 1 for flag in mapped):
+        raise ProtocolError(f"shm handshake: bad MAPPED flags {bytes(mapped)!r}")
+    if not all(mapped):
+        # Not an error (the bytes go through slots, two copies), but never silent.
+        log.info("shm peer mapped %d of this process's %d KV arenas", sum(mapped), len(mine))
+    return [a if mapped[i] else None for i, a in enumerate(mine)], peer_maps
+
+
+def _info(a: arena.Arena) -> tuple[int, int, int]:
+    info = a.info
+    return info.pid, info.fd, info.num_bytes
 
 
 async def open_shm_stream(address: Address, config: ShmConfig | None = None) -> SlotStream:

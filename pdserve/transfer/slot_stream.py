@@ -13,6 +13,11 @@ Protocol on the control stream (a TCP connection), one 12-byte frame per message
     WRITING(slot, num_bytes)  sender → receiver, optional: a write into `slot` is under way and
                               needs the receiver to drive progress until its DATA (transports
                               whose one-sided writes may need the target, e.g. UCX over TCP)
+    REF(arena, num_bytes) + offset (u64)
+                              sender → receiver: the next bytes are at `offset` of the sender's
+                              exported arena `arena` (`transfer/arena.py`), which the receiver
+                              mapped read-only at the handshake; no slot, no credit, and the
+                              receiver's copy out of the arena is the only copy
 
 Small sends (the protocol's Hello, Begin, Commit and their replies) go INLINE: one frame and
 their bytes on the socket, instead of a slot write plus its announcement; for NIXL that saves a
@@ -24,6 +29,10 @@ start) and writes only into those; every DATA and INLINE uses one credit, so at 
 receiver copies each out into the caller's view and then returns the credit. Since the receiver
 owns its inbox memory (and its INLINE buffers), bytes already announced stay readable after the
 peer exits; EOF comes after them, in order, as the control stream's EOF.
+
+Only memory whose changes the layer above would detect is sent by REF: the receiver reads it
+after `send` returned, so the bytes it gets are those of the moment it copies (the KV layer
+checksums every chunk before sending it and the receiver checks what it copied).
 
 Invariants: a slot is written only while the sender holds its credit; frames (an INLINE frame
 with its bytes) are sent whole (shielded from cancellation) so the control stream never carries
@@ -43,6 +52,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Protocol
 
 from pdserve.errors import PeerClosed, ProtocolError, TransferError
+from pdserve.transfer.arena import Arena, locate
 from pdserve.transfer.stream import (
     DEFAULT_RECEIVE_BYTES,
     Buffer,
@@ -58,6 +68,12 @@ _DATA = 1
 _CREDIT = 2
 _WRITING = 3
 _INLINE = 4
+_REF = 5
+_REF_OFFSET = struct.Struct("<Q")
+# A REF's bytes hold no slot: nothing to give back once they are read.
+_NO_CREDIT = -1
+# One REF frame covers at most this many bytes (its length field is 32 bits).
+_REF_MAX_BYTES = 1 << 30
 # Sends up to this size travel INLINE on the control stream (one frame header's worth of
 # protocol message is ~100-300 bytes; a KV chunk's data is megabytes).
 INLINE_MAX_BYTES = 64 << 10
@@ -133,8 +149,12 @@ class SlotStream(ByteStream):
         on_close: Callable[[], None],
         name: str,
         on_peer_writing: Callable[[bool], None] | None = None,
+        exported: Sequence[Arena | None] = (),
+        peer_arenas: Sequence[memoryview | None] = (),
     ) -> None:
-        """`on_peer_writing(True)` runs on each WRITING frame, `(False)` on each DATA frame."""
+        """`on_peer_writing(True)` runs on each WRITING frame, `(False)` on each DATA frame.
+        `exported[i]`: this process's arena i, where the peer mapped it (None: it could not),
+        sent by REF; `peer_arenas[i]`: the peer's arena i as mapped here (None: not mapped)."""
         self._control = control
         self._inbox = inbox
         self._slot_bytes = inbox_slot_bytes
@@ -155,6 +175,11 @@ class SlotStream(ByteStream):
         self._send_state = DirectionState(f"{name} send")
         self._receive_state = DirectionState(f"{name} receive")
         self._closed = False
+        self._exported = list(exported)
+        self._peer_arenas = list(peer_arenas)
+        # Bytes sent by reference (REF) and through slots (DATA, INLINE), for tests and stats.
+        self.num_ref_bytes = 0
+        self.num_slot_bytes = 0
         self._reader = asyncio.get_running_loop().create_task(self._read_control())
 
     async def send(self, buffers: Sequence[Buffer]) -> None:
@@ -175,28 +200,65 @@ class SlotStream(ByteStream):
                 return
             num_announced = 0
             try:
-                for chunk in _chunks(views, self._peer_slot_bytes):
-                    slot = await self._acquire_slot()
-                    num_bytes = sum(v.nbytes for v in chunk)
-                    announced = False
-
-                    async def announce(slot: int = slot, num_bytes: int = num_bytes) -> None:
-                        nonlocal announced
-                        if not announced:
-                            announced = True
-                            await self._send_frame(_WRITING, slot, num_bytes)
-
-                    try:
-                        await self._writer.write(slot, chunk, self._peer_gone, announce)
-                    except BaseException:
-                        self._free_slots.appendleft(slot)  # the peer never heard of it
-                        raise
-                    num_announced += num_bytes
-                    await self._send_frame(_DATA, slot, num_bytes)
+                for ref, run in self._runs(views):
+                    if ref is not None:
+                        arena_id, offset = ref
+                        for start in range(0, run[0].nbytes, _REF_MAX_BYTES):
+                            num_bytes = min(_REF_MAX_BYTES, run[0].nbytes - start)
+                            if self._eof:
+                                raise PeerClosed(f"{self._name}: peer closed its end")
+                            at = _REF_OFFSET.pack(offset + start)
+                            await self._send_frame(_REF, arena_id, num_bytes, at)
+                            num_announced += num_bytes
+                            self.num_ref_bytes += num_bytes
+                        continue
+                    for chunk in _chunks(run, self._peer_slot_bytes):
+                        num_announced += await self._send_slot(chunk)
             except asyncio.CancelledError:
                 if num_announced:
                     self._send_state.break_(f"send cancelled after {num_announced} bytes")
                 raise
+
+    def _runs(
+        self, views: list[memoryview]
+    ) -> Iterator[tuple[tuple[int, int] | None, list[memoryview]]]:
+        """`views` in order as runs: ((arena id, offset), [one view]) for a view the peer can
+        read by reference, (None, [views]) for consecutive ones that go through slots."""
+        usable = [a for a in self._exported if a is not None]
+        ids = [i for i, a in enumerate(self._exported) if a is not None]
+        run: list[memoryview] = []
+        for view in views:
+            found = locate(view, usable) if usable else None
+            if found is None:
+                run.append(view)
+                continue
+            if run:
+                yield None, run
+                run = []
+            yield (ids[found[0]], found[1]), [view]
+        if run:
+            yield None, run
+
+    async def _send_slot(self, chunk: list[memoryview]) -> int:
+        """Write one slot's worth into the peer's inbox and announce it; its bytes."""
+        slot = await self._acquire_slot()
+        num_bytes = sum(v.nbytes for v in chunk)
+        announced = False
+
+        async def announce() -> None:
+            nonlocal announced
+            if not announced:
+                announced = True
+                await self._send_frame(_WRITING, slot, num_bytes)
+
+        try:
+            await self._writer.write(slot, chunk, self._peer_gone, announce)
+        except BaseException:
+            self._free_slots.appendleft(slot)  # the peer never heard of it
+            raise
+        await self._send_frame(_DATA, slot, num_bytes)
+        self.num_slot_bytes += num_bytes
+        return num_bytes
 
     async def receive_into(self, view: memoryview) -> None:
         """Copy exactly len(view) bytes from inbox slots into `view`, returning credits."""
@@ -213,7 +275,7 @@ class SlotStream(ByteStream):
                         )
                     n, drained = self._copy_out(target[num_received:])
                     num_received += n
-                    if drained is not None:
+                    if drained is not None and drained != _NO_CREDIT:
                         await self._return_credit(drained)
             except asyncio.CancelledError:
                 if num_received:
@@ -231,7 +293,7 @@ class SlotStream(ByteStream):
             current = self._current
             out = bytearray(min(max_bytes, current.source.nbytes - current.offset))
             _, drained = self._copy_out(memoryview(out))
-            if drained is not None:
+            if drained is not None and drained != _NO_CREDIT:
                 await self._return_credit(drained)
             return bytes(out)
 
@@ -316,6 +378,16 @@ class SlotStream(ByteStream):
         frame = _FRAME.pack(kind, slot, num_bytes)
         await asyncio.shield(self._control.send([frame, payload] if payload else [frame]))
 
+    def _ref_source(self, arena_id: int, offset: int, num_bytes: int) -> memoryview:
+        """The bytes a REF names in the peer's arena; ProtocolError if it names none."""
+        source = self._peer_arenas[arena_id] if arena_id < len(self._peer_arenas) else None
+        if source is None or num_bytes == 0 or offset + num_bytes > source.nbytes:
+            raise ProtocolError(
+                f"{self._name}: REF of {num_bytes} bytes at {offset} in arena {arena_id},"
+                " which is not mapped here or is smaller"
+            )
+        return source[offset : offset + num_bytes]
+
     async def _read_control(self) -> None:
         """Demultiplex DATA and CREDIT frames until the control stream ends."""
         frame = bytearray(_FRAME.size)
@@ -334,6 +406,14 @@ class SlotStream(ByteStream):
                     payload = bytearray(num_bytes)
                     await self._control.receive_into(memoryview(payload))
                     self._pending.append(_Unread(slot, memoryview(payload)))
+                    self._data.set()
+                elif kind == _REF:
+                    raw = bytearray(_REF_OFFSET.size)
+                    await self._control.receive_into(memoryview(raw))
+                    (offset,) = _REF_OFFSET.unpack(raw)
+                    self._pending.append(
+                        _Unread(_NO_CREDIT, self._ref_source(slot, offset, num_bytes))
+                    )
                     self._data.set()
                 elif kind == _WRITING and valid:
                     if self._on_peer_writing is not None:

@@ -198,6 +198,9 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         batch_invariant=args.batch_invariant,
+        # A worker that sends handoffs keeps its KV where a same-host receiver can read it
+        # (one copy over shared memory instead of two); see `transfer/arena.py`.
+        shared_kv=args.role in ("prefill", "both") and args.kv_transport in ("auto", "shm"),
         model=model,
     )
     secret = load_secret(args.cluster_secret_file)
