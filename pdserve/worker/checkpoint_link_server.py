@@ -36,6 +36,7 @@ from pdserve.transfer.session import Outbound
 from pdserve.transfer.stream import ByteStream
 from pdserve.worker.checkpoint_store import CheckpointStore
 from pdserve.worker.engine_loop import EngineInfo
+from pdserve.worker.protocol import MAX_LEASE_TTL_S
 
 
 class LinkServer:
@@ -86,6 +87,12 @@ class LinkServer:
         bs, block_bytes = self._info.block_size, self._info.block_bytes
         tokens = list(put.token_ids)
         num_blocks = len(tokens) // bs
+        if put.lease_ttl > MAX_LEASE_TTL_S:
+            # The HTTP path bounds it the same way: no writer pins a holder's memory for long.
+            await self._discard(stream, header.data_len)
+            self.puts["lease"] += 1
+            text = f"Put of {put.owner}: lease_ttl {put.lease_ttl}s exceeds {MAX_LEASE_TTL_S}s"
+            return session.nack(NackCode.CHECKPOINT_REFUSED, text)
         if len(tokens) % bs or header.data_len != num_blocks * block_bytes:
             await self._discard(stream, header.data_len)
             self._store.tier.refused[Refusal.VERSION.value] += 1

@@ -276,3 +276,13 @@ def test_puts_to_a_silent_holder_fail_fast_after_the_first_timeout() -> None:
             await server.aclose()
 
     asyncio.run(asyncio.wait_for(main(), 20))
+
+
+def test_a_put_asking_for_a_lease_past_the_bound_is_refused_and_pins_nothing() -> None:
+    async def body(holder: Holder, links: CheckpointLinks) -> None:
+        with pytest.raises(CheckpointRefused, match="exceeds"):
+            await links.put(holder.address, put_of(0, ttl=1e9), views(block(0)))
+        assert holder.tier.num_blocks == 0 and holder.links.puts == {"lease": 1}
+        await links.put(holder.address, put_of(0), views(block(0)))  # the link goes on
+
+    run(body)
