@@ -120,8 +120,15 @@ def put_mac(key: bytes | None, seq: int, put: Put, data_checksum: int) -> bytes:
 class _Link:
     """What both ends share: state, sequence numbers, the link key."""
 
-    def __init__(self, fingerprint: FingerprintMap, key: bytes | None, state: LinkState) -> None:
+    def __init__(
+        self,
+        fingerprint: FingerprintMap,
+        key: bytes | None,
+        state: LinkState,
+        compare: FingerprintCompare,
+    ) -> None:
         self._fingerprint = dict(fingerprint)
+        self._compare = compare
         self._key = key
         self.state = state
         self._send_seq = 0
@@ -152,6 +159,16 @@ class _Link:
             )
         self._recv_seq += 1
 
+    def _check_hello(self, hello: Hello, want_mac: bytes, peer: str) -> None:
+        """The peer's Hello: its MAC (with a cluster key), protocol version, fingerprint."""
+        if self._key is not None and not hmac.compare_digest(want_mac, hello.auth):
+            self._fail(Unauthenticated(f"{self._who}: {peer}'s Hello has no valid MAC"))
+        if hello.protocol_version != PROTOCOL_VERSION:
+            self._fail(UnsupportedVersion(f"{self._who}: {peer} speaks {hello.protocol_version}"))
+        diff = self._compare(self._fingerprint, hello.fingerprint)
+        if diff:
+            self._fail(FingerprintMismatch(diff, context=self._who))
+
     def _fail(self, error: PdserveError) -> NoReturn:
         self.state = LinkState.FAILED
         raise error
@@ -168,9 +185,8 @@ class LinkWriter(_Link):
         link_id: bytes | None = None,
         compare: FingerprintCompare = fingerprint_diff,
     ) -> None:
-        super().__init__(fingerprint, cluster_key, LinkState.IDLE)
+        super().__init__(fingerprint, cluster_key, LinkState.IDLE, compare)
         self.link_id = link_id or os.urandom(TRANSFER_ID_BYTES)
-        self._compare = compare
         # Sequence numbers of the Puts sent and not yet answered, oldest first.
         self._owed: deque[int] = deque()
 
@@ -194,13 +210,7 @@ class LinkWriter(_Link):
             self._fail(ProtocolError(f"{self._who}: {type(message).__name__} before Hello"))
         nonce = header.transfer_id
         want = holder_hello_mac(self._key, message.role, self.link_id, nonce, message.fingerprint)
-        if self._key is not None and not hmac.compare_digest(want, message.auth):
-            self._fail(Unauthenticated(f"{self._who}: holder's Hello has no valid MAC"))
-        if message.protocol_version != PROTOCOL_VERSION:
-            self._fail(UnsupportedVersion(f"{self._who}: holder speaks {message.protocol_version}"))
-        diff = self._compare(self._fingerprint, message.fingerprint)
-        if diff:
-            self._fail(FingerprintMismatch(diff, context=self._who))
+        self._check_hello(message, want, "holder")
         self._put_key = link_key(self._key, self.link_id, nonce)
         self.state = LinkState.READY
 
@@ -255,10 +265,9 @@ class LinkHolder(_Link):
         nonce: bytes | None = None,
         compare: FingerprintCompare = fingerprint_diff,
     ) -> None:
-        super().__init__(fingerprint, cluster_key, LinkState.LISTENING)
+        super().__init__(fingerprint, cluster_key, LinkState.LISTENING, compare)
         self._role = role
         self._nonce = nonce or os.urandom(TRANSFER_ID_BYTES)
-        self._compare = compare
 
     def accept(self, header: FrameHeader, hello: Hello) -> tuple[Outbound, PdserveError | None]:
         """The answer to the writer's Hello: this side's Hello, or a Nack and the error
@@ -267,7 +276,7 @@ class LinkHolder(_Link):
         self.link_id = header.transfer_id
         try:
             self._take_seq(header)
-            self._check_hello(header, hello)
+            self._check_writer(header, hello)
         except PdserveError as error:
             self.state = LinkState.FAILED
             return self._nack_for(error), error
@@ -277,19 +286,13 @@ class LinkHolder(_Link):
         reply = Hello(PROTOCOL_VERSION, self._role, self._fingerprint, auth)
         return Outbound(self._envelope(self._nonce), reply), None
 
-    def _check_hello(self, header: FrameHeader, hello: Hello) -> None:
+    def _check_writer(self, header: FrameHeader, hello: Hello) -> None:
         if hello.role is not Role.REPLICA:
             self._fail(ProtocolError(f"{self._who}: Hello from a {hello.role.name}, not a link"))
         want = hello_mac(
             self._key, hello.role, header.transfer_id, header.attempt, hello.fingerprint
         )
-        if self._key is not None and not hmac.compare_digest(want, hello.auth):
-            self._fail(Unauthenticated(f"{self._who}: writer's Hello has no valid MAC"))
-        if hello.protocol_version != PROTOCOL_VERSION:
-            self._fail(UnsupportedVersion(f"{self._who}: writer speaks {hello.protocol_version}"))
-        diff = self._compare(self._fingerprint, hello.fingerprint)
-        if diff:
-            self._fail(FingerprintMismatch(diff, context=self._who))
+        self._check_hello(hello, want, "writer")
 
     def check_put(self, header: FrameHeader, put: Put) -> None:
         """Sequence and MAC of one Put (its data is checked against `header.data_checksum`
