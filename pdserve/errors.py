@@ -378,6 +378,11 @@ class TransferRefused(TransferError):
         self.retryable = retryable
 
 
+class LinkUnsupported(TransferError):
+    """The checkpoint holder does not serve replication links (an older build): its puts go
+    through a transfer session each instead."""
+
+
 class TransportUnavailable(TransferError):
     """A KV transport asked for explicitly cannot be used between these two workers."""
 

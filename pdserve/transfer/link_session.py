@@ -40,6 +40,7 @@ from pdserve.errors import (
     CheckpointRefused,
     FingerprintMismatch,
     IllegalTransition,
+    LinkUnsupported,
     PdserveError,
     ProtocolError,
     TransferRefused,
@@ -205,6 +206,9 @@ class LinkWriter(_Link):
         self._require(LinkState.HELLO_SENT)
         self._take_seq(header)
         if isinstance(message, Nack):
+            if message.code is NackCode.UNKNOWN_TRANSFER:
+                # A receiver that knows no links took the link id for a transfer id.
+                self._fail(LinkUnsupported(f"{self._who}: the holder serves no links"))
             self._fail(_refusal(message, self._who))
         if not isinstance(message, Hello):
             self._fail(ProtocolError(f"{self._who}: {type(message).__name__} before Hello"))

@@ -24,7 +24,13 @@ import contextlib
 import time
 from collections.abc import Sequence
 
-from pdserve.errors import CheckpointRefused, PdserveError, PeerClosed, TransferTimeout
+from pdserve.errors import (
+    CheckpointRefused,
+    LinkUnsupported,
+    PdserveError,
+    PeerClosed,
+    TransferTimeout,
+)
 from pdserve.transfer.codec import data_checksum
 from pdserve.transfer.framing import read_frame, write_frame
 from pdserve.transfer.link_session import LinkWriter
@@ -94,7 +100,7 @@ class CheckpointLinks:
                     if not reused:
                         raise
                 return await self._put(link, put, blocks)
-            except CheckpointRefused:
+            except (CheckpointRefused, LinkUnsupported):
                 raise
             except PdserveError as exc:
                 link.down_until = time.monotonic() + self._timeout_s

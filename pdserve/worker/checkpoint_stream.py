@@ -39,7 +39,7 @@ from pdserve.checkpoint.policy import CheckpointPolicy
 from pdserve.engine.block_manager import hash_block_tokens
 from pdserve.engine.canary import ValueDigest
 from pdserve.engine.engine import Engine, RequestDelta
-from pdserve.errors import PdserveError, RequestNotFound
+from pdserve.errors import LinkUnsupported, PdserveError, RequestNotFound
 from pdserve.transfer.codec import MAX_DATA_BYTES
 from pdserve.transfer.messages import MAX_PUT_TOKENS, Put
 from pdserve.transfer.stream import Address
@@ -150,6 +150,7 @@ class Replica:
         tokens = [t for block in block_tokens for t in block]
         views = [memoryview(b) for b in blocks]
         address = s.link_address(self.plan.holder_url, len(blocks) * s.info.block_bytes, tokens)
+        num_bytes, transport = 0, ""
         if address is not None and s.links is not None:
             put = Put(
                 self.owner,
@@ -159,10 +160,13 @@ class Replica:
                 self.plan.lease_ttl_s,
                 value_digest,
             )
-            num_bytes = await s.links.put(address, put, views)
-            transport = "tcp"
-            s.counters.num_link_puts += 1
-        else:
+            try:
+                num_bytes, transport = await s.links.put(address, put, views), "tcp"
+                s.counters.num_link_puts += 1
+            except LinkUnsupported:
+                # An older holder: this put and its later ones go through sessions.
+                s.forget_link(self.plan.holder_url)
+        if not transport:
             num_bytes, transport = await self._put_in_session(
                 start, block_tokens, views, value_digest
             )
@@ -304,6 +308,7 @@ class CheckpointStreams:
         # each holder's TCP KV endpoint as its last reservation named it.
         self.links = links
         self._holder_tcp: dict[str, Address] = {}
+        self._no_links: set[str] = set()
         self.counters = StreamCounters()
         # Releases under way (`Replica.close` does not wait for them).
         self._releases: set[asyncio.Task[None]] = set()
@@ -333,10 +338,17 @@ class CheckpointStreams:
 
     def learn_holder(self, holder_url: str, reservation: Reservation) -> None:
         """Remember the holder's TCP endpoint (from a reservation it made) for its link."""
+        if holder_url in self._no_links:
+            return
         for i, endpoint in enumerate(reservation.endpoints):
             if endpoint.transport == "tcp":
                 where = f"reservation.endpoints[{i}].address"
                 self._holder_tcp[holder_url] = kv_transports.parse_address(endpoint.address, where)
+
+    def forget_link(self, holder_url: str) -> None:
+        """The holder serves no links: send it every later put in a session."""
+        self._holder_tcp.pop(holder_url, None)
+        self._no_links.add(holder_url)
 
     def link_address(
         self, holder_url: str, num_bytes: int, tokens: Sequence[int]

@@ -17,7 +17,13 @@ import pytest
 
 from pdserve.checkpoint.host_tier import HostTier
 from pdserve.engine.block_manager import hash_block_tokens, prefix_block_hashes
-from pdserve.errors import CheckpointRefused, TransferError, TransferRefused, TransferTimeout
+from pdserve.errors import (
+    CheckpointRefused,
+    LinkUnsupported,
+    TransferError,
+    TransferRefused,
+    TransferTimeout,
+)
 from pdserve.transfer.messages import Put
 from pdserve.transfer.receiver import KVReceiver, ReceiverLimits
 from pdserve.transfer.stream import Address, Buffer, ByteStream
@@ -284,5 +290,18 @@ def test_a_put_asking_for_a_lease_past_the_bound_is_refused_and_pins_nothing() -
             await links.put(holder.address, put_of(0, ttl=1e9), views(block(0)))
         assert holder.tier.num_blocks == 0 and holder.links.puts == {"lease": 1}
         await links.put(holder.address, put_of(0), views(block(0)))  # the link goes on
+
+    run(body)
+
+
+def test_a_holder_that_serves_no_links_says_so_at_the_handshake() -> None:
+    """An older build's receiver takes the link id for an unknown transfer: the writer gets
+    LinkUnsupported (and falls back to sessions for that holder, test_checkpoint_stream)."""
+
+    async def body(holder: Holder, links: CheckpointLinks) -> None:
+        holder.receiver.link_handler = None
+        with pytest.raises(LinkUnsupported):
+            await links.put(holder.address, put_of(0), views(block(0)))
+        assert holder.tier.num_blocks == 0
 
     run(body)

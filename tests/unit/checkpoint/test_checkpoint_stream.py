@@ -14,7 +14,7 @@ from checkpoint_fakes import FakeSender
 
 from pdserve.engine.block_manager import prefix_block_hashes
 from pdserve.engine.canary import ValueDigest
-from pdserve.errors import ConfigError, PeerCallError, RequestNotFound
+from pdserve.errors import ConfigError, LinkUnsupported, PeerCallError, RequestNotFound
 from pdserve.worker.checkpoint_protocol import CheckpointOwner, CheckpointPut
 from pdserve.worker.checkpoint_stream import CheckpointStreams, on_tokens
 from pdserve.worker.config import WorkerConfig
@@ -190,3 +190,50 @@ def test_small_puts_go_over_tcp_and_large_ones_over_the_workers_best_transport()
 def test_a_bad_small_put_size_is_refused_naming_the_flag(bad: object) -> None:
     with pytest.raises(ConfigError, match="checkpoint-small-put-kib"):
         WorkerConfig(checkpoint_small_put_kib=bad)  # type: ignore[arg-type]
+
+
+class FakeLinks:
+    """A `CheckpointLinks` that records puts, or stands for a holder that serves no links."""
+
+    def __init__(self, unsupported: bool) -> None:
+        self.unsupported = unsupported
+        self.puts: list[Any] = []
+
+    async def put(self, address: Any, put: Any, blocks: list[memoryview]) -> int:
+        self.puts.append(put)
+        if self.unsupported:
+            raise LinkUnsupported("the holder serves no links")
+        return sum(b.nbytes for b in blocks)
+
+
+@pytest.mark.parametrize("unsupported", [False, True], ids=["links", "old-holder"])
+def test_puts_after_the_first_ride_the_link_or_sessions_for_a_holder_without_links(
+    unsupported: bool,
+) -> None:
+    async def scenario() -> None:
+        loop, peers, sender = FakeLoop(), FakePeers(), FakeSender(8)
+        links = FakeLinks(unsupported)
+        streams = CheckpointStreams(loop, INFO, peers, sender, ("tcp",), links=links)  # type: ignore[arg-type]
+        plan = CheckpointPlan(holder_url="http://h", policy="every-1", lease_ttl_s=30.0)
+        prompt = list(range(10, 19))
+        replica = streams.open("r", plan, [*prompt, 50], len(prompt))
+        assert replica is not None
+        seen = on_tokens(replica, None)
+        for token in range(51, 58):
+            await asyncio.sleep(0)
+            seen(_delta([token]))
+        await asyncio.sleep(0.01)
+        assert replica.num_sent_blocks == 4 and not replica.stopped  # no put was lost
+        session = [p.first_version for p in _puts(peers)]
+        if unsupported:
+            # One link attempt, then sessions: this put and every later one.
+            assert len(links.puts) == 1 and session == [4, 12, 16]
+            assert streams.counters.num_link_puts == 0
+        else:
+            # The first put's reservation named the holder's TCP endpoint.
+            assert session == [4] and [p.first_version for p in links.puts] == [12, 16]
+            assert streams.counters.num_link_puts == 2
+        await replica.close()
+        await streams.aclose()
+
+    asyncio.run(scenario())
