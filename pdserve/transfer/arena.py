@@ -22,8 +22,10 @@ It knows memory and file descriptors; not frames, sessions or engines.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import mmap
 import os
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,6 +56,8 @@ class Arena:
             os.close(self.fd)
             raise
         self.num_bytes = num_bytes
+        # The memfd lives as long as this object (peers keep their own mappings of it).
+        weakref.finalize(self, os.close, self.fd)
         # Write every page once: a first touch during a transfer costs ~10x a memcpy.
         for offset in range(0, num_bytes, _PAGE_BYTES):
             self.map[offset] = 0
@@ -69,19 +73,23 @@ class Arena:
         return start if start >= 0 and start + view.nbytes <= self.num_bytes else None
 
 
-_EXPORTED: list[Arena] = []
+# Weak: an arena whose owner (a KV cache) is gone is announced to no new peer.
+_EXPORTED: weakref.WeakValueDictionary[int, Arena] = weakref.WeakValueDictionary()
+_NEXT = itertools.count()
 
 
 def export(num_bytes: int) -> Arena:
-    """A new arena that this process's shm streams may hand to peers by reference."""
+    """A new arena that this process's shm streams may hand to peers by reference (for as
+    long as the caller keeps it)."""
     arena = Arena(num_bytes)
-    _EXPORTED.append(arena)
+    _EXPORTED[next(_NEXT)] = arena
     return arena
 
 
 def exported() -> list[Arena]:
-    """Every arena exported by this process, in export order (their index is their id)."""
-    return list(_EXPORTED)
+    """The live arenas exported by this process, oldest first (a stream numbers them in this
+    order at its handshake and keeps them while it lives)."""
+    return [arena for _, arena in sorted(_EXPORTED.items())]
 
 
 def locate(view: memoryview, arenas: list[Arena]) -> tuple[int, int] | None:

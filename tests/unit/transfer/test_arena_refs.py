@@ -140,3 +140,18 @@ def test_a_shared_kv_cache_is_in_an_exported_arena_and_starts_zeroed() -> None:
     assert float(kv.tensor.abs().sum()) == 0.0
     (view,) = kv.block_views([2])
     assert locate(view, arena.exported()) is not None
+
+
+def test_an_arena_whose_owner_is_gone_is_no_longer_exported_and_its_fd_closes() -> None:
+    import gc
+
+    kv = KVCache(4, 2, 16, 2, 8, shared=True)
+    assert kv.arena is not None
+    fd = kv.arena.fd
+    del kv
+    gc.collect()
+    assert all(a.fd != fd or a is ARENA for a in arena.exported())
+    try:  # closed: the number is free, or was reused by something that is not this memfd
+        assert "pdserve-kv" not in os.readlink(f"/proc/self/fd/{fd}")
+    except FileNotFoundError:
+        pass
