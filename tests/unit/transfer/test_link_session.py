@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from hypothesis import given, settings
+from fuzz_support import fuzz_settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from pdserve.errors import (
@@ -236,7 +237,7 @@ def test_put_bounds_are_checked_on_encode() -> None:
         wire(writer.put(PUT, 0))
 
 
-@settings(max_examples=200, deadline=None)
+@fuzz_settings(200)
 @given(st.data())
 def test_any_byte_flipped_in_a_put_frame_is_caught(data: st.DataObject) -> None:
     """Header, body or data: the codec's checksums or the Put's MAC refuse the frame."""
