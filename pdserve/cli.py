@@ -260,6 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--json", default=None, help="write the results as JSON to this file")
     be.add_argument("--quick", action="store_true", help="smaller workloads (CI smoke run)")
     be.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=3,
+        help="timed runs of each case per side, alternating (median counts; --quick: 1)",
+    )
+    be.add_argument(
         "--model-shape",
         action="append",
         # Spelled out here so the CLI parses without importing torch; a unit test keeps it

@@ -14,7 +14,9 @@ Fair by construction: both sides are warmed the same way, with a prompt of their
 never timed, and the throughput cases run with prefix caching off, so no timed prompt finds
 its own blocks cached (an earlier version warmed pdserve alone, with the timed prompt, so the
 timed batch-1 run prefilled 16 of its 128 tokens). Ratios are what matter on a noisy machine:
-both sides see the same noise.
+both sides see the same noise. Each case runs `--repeats` times (default 3), the two sides
+alternating and the first side swapping every repeat; a side's figure is its median, and every
+run is in the JSON (one run of a 0.1 s batch-1 case moved the ratio by 25% between two runs).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -49,6 +52,9 @@ class CaseResult:
     pdserve_tokens_per_s: float
     transformers_tokens_per_s: float
     ratio_vs_transformers: float
+    # Seconds of every timed run, in order (the figures above are their medians).
+    pdserve_runs_s: list[float]
+    transformers_runs_s: list[float]
 
 
 def _prompts(rng: random.Random, vocab: int, lengths: list[int]) -> list[list[int]]:
@@ -97,15 +103,23 @@ def _case(
     prompts: list[list[int]],
     max_tokens: list[int],
     warm: list[list[int]],
+    repeats: int = 1,
 ) -> CaseResult:
     # The same warm-up on both sides (first-call allocations, kernel choices), with prompts
     # of the case's lengths that are never timed; the engine caches no prefix (see the doc).
     _run_pdserve(engine, warm, [2] * len(warm), f"warm-{name}")
     _run_transformers(hf, warm, [2] * len(warm))
-    t_pd = _run_pdserve(engine, prompts, max_tokens, name)
-    t_hf = _run_transformers(hf, prompts, max_tokens)
+    t_pd: list[float] = []
+    t_hf: list[float] = []
+    for r in range(repeats):
+        for side in ("pdserve", "transformers") if r % 2 == 0 else ("transformers", "pdserve"):
+            if side == "pdserve":
+                t_pd.append(_run_pdserve(engine, prompts, max_tokens, f"{name}-{r}"))
+            else:
+                t_hf.append(_run_transformers(hf, prompts, max_tokens))
     out = sum(max_tokens)
-    return CaseResult(name, len(prompts), out, out / t_pd, out / t_hf, t_hf / t_pd)
+    pd, hf_s = statistics.median(t_pd), statistics.median(t_hf)
+    return CaseResult(name, len(prompts), out, out / pd, out / hf_s, hf_s / pd, t_pd, t_hf)
 
 
 def _prefix_ttft(path: str, cfg: EngineConfig, prompts: list[list[int]], on: bool) -> float:
@@ -162,6 +176,7 @@ def _bench_shape(name: str, path: str, args: argparse.Namespace) -> dict[str, ob
     news = [rng.randint(16, 128) for _ in range(n_batch)]
     if quick:
         news = [max(4, n // 8) for n in news]
+    repeats = 1 if quick else args.repeats
     results = [
         _case(
             "batch1",
@@ -170,6 +185,7 @@ def _bench_shape(name: str, path: str, args: argparse.Namespace) -> dict[str, ob
             _prompts(rng, vocab, [b1_len]),
             [b1_new],
             _prompts(rng, vocab, [b1_len]),
+            repeats,
         ),
         _case(
             f"batch{n_batch}-mixed",
@@ -178,6 +194,7 @@ def _bench_shape(name: str, path: str, args: argparse.Namespace) -> dict[str, ob
             _prompts(rng, vocab, lengths),
             news,
             _prompts(rng, vocab, lengths),
+            repeats,
         ),
     ]
     num_steps = 4 if quick else 16
