@@ -1,6 +1,7 @@
 """Fuzz the holder's end of a replication link: after a valid handshake, a writer sends any
 sequence of Puts (good ones, ones that break the chain, ask for too long a lease, carry bytes
-that disagree with their tokens, arrive damaged or forged) and stray bytes.
+that disagree with their tokens, arrive damaged or forged, or stop in the middle of their data
+as the writer dies) and stray bytes.
 
 Whatever the sequence, what the holder holds is exactly the blocks of the Puts it acknowledged,
 with the bytes they carried; nothing stays reserved once the link ends; the tier's accounting
@@ -40,7 +41,9 @@ TOKENS = list(range(1, 1 + 8 * BS))
 # (kind, block index, number of blocks)
 actions = st.lists(
     st.tuples(
-        st.sampled_from(["good", "good", "chain", "lease", "size", "damage", "forge", "junk"]),
+        st.sampled_from(
+            ["good", "good", "chain", "lease", "size", "damage", "forge", "junk", "cut"]
+        ),
         st.integers(0, 5),
         st.integers(1, 2),
     ),
@@ -112,6 +115,9 @@ def test_a_holder_holds_exactly_what_it_acknowledged(
                 parts = encode(out.message, data, envelope=out.envelope)
                 if kind == "damage":  # a flipped data byte after the header was built
                     parts[-1] = bytes([parts[-1][0] ^ 1]) + bytes(parts[-1][1:])
+                if kind == "cut":  # the writer dies in the middle of the Put's data
+                    await a.send([*parts[:-1], bytes(parts[-1])[: BLOCK_BYTES // 2]])
+                    break
                 await a.send(parts)
                 try:
                     async with asyncio.timeout(2.0):
