@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from pdserve.observability.metric_names import MetricSpec
+from pdserve.observability.metric_spec import MetricSpec
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Seconds: latency buckets shared by every duration histogram (+Inf is implicit).

@@ -8,29 +8,16 @@ against this list by a unit test, so a renamed metric cannot silently break a pa
 Naming: `pdserve_<process>_<what>_<unit>`; durations in `_seconds`, sizes in `_bytes`,
 throughput in `_gigabytes_per_second` (10^9 bytes/s, the figure operators quote for links),
 counters end in `_total`. A histogram's series are the name plus `_bucket`, `_sum`, `_count`.
+
+Decode checkpoints declare theirs in `checkpoint_metric_names` (this file would pass 500
+lines); `ALL`, `NAMES` and `SERIES` below cover both modules.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
-Kind = Literal["counter", "gauge", "histogram"]
-
-
-@dataclass(frozen=True, slots=True)
-class MetricSpec:
-    """One metric family."""
-
-    name: str
-    kind: Kind
-    help: str
-    labels: tuple[str, ...] = ()
-
-
-def _spec(name: str, kind: Kind, help_text: str, *labels: str) -> MetricSpec:
-    return MetricSpec(name, kind, help_text, labels)
-
+from pdserve.observability import checkpoint_metric_names
+from pdserve.observability.metric_spec import WORKER_LABELS, MetricSpec
+from pdserve.observability.metric_spec import spec as _spec
 
 # ---- router: per-request latencies (one sample per request unless said otherwise) ----------
 ROUTER_REQUESTS = _spec(
@@ -187,7 +174,7 @@ ROUTER_WORKER_CLOCK_OFFSET = _spec(
 )
 
 # ---- worker ------------------------------------------------------------------------------------
-_W = ("worker_id",)
+_W = WORKER_LABELS
 WORKER_BLOCKS_TOTAL = _spec("pdserve_worker_blocks_total", "gauge", "KV blocks in the cache", *_W)
 WORKER_BLOCKS_FREE = _spec(
     "pdserve_worker_blocks_free", "gauge", "KV blocks free (cached-but-unused included)", *_W
@@ -400,151 +387,10 @@ WORKER_PHASE_BUSY_SECONDS = _spec(
     "phase",
 )
 
-# ---- worker: decode checkpoints (`pdserve/checkpoint/`) ---------------------------------------
-WORKER_CHECKPOINT_RESUMES = _spec(
-    "pdserve_worker_checkpoint_resumes_total",
-    "counter",
-    "Resumed requests by how their KV came back: checkpoint (pulled from the holder),"
-    " peer_cache (pulled from another worker's prefix cache), local (this worker's prefix"
-    " cache) or recompute, and why",
-    *_W,
-    "path",
-    "reason",
-)
-WORKER_CHECKPOINT_RECOMPUTED_TOKENS = _spec(
-    "pdserve_worker_checkpoint_recomputed_tokens_total",
-    "counter",
-    "Tokens (prompt + output already sent) that resumed requests recomputed",
-    *_W,
-)
-WORKER_CHECKPOINT_RESUMED_TOKENS = _spec(
-    "pdserve_worker_checkpoint_resumed_tokens_total",
-    "counter",
-    "Tokens (prompt + output already sent) that resumed requests had to restore",
-    *_W,
-)
-WORKER_CHECKPOINT_PULLED_BYTES = _spec(
-    "pdserve_worker_checkpoint_pulled_bytes_total",
-    "counter",
-    "KV bytes pulled from checkpoint holders by resumed requests",
-    *_W,
-)
-WORKER_CHECKPOINT_PUT_BLOCKS = _spec(
-    "pdserve_worker_checkpoint_put_blocks_total",
-    "counter",
-    "KV blocks this worker replicated to checkpoint holders",
-    *_W,
-)
-WORKER_CHECKPOINT_PUT_BYTES = _spec(
-    "pdserve_worker_checkpoint_put_bytes_total",
-    "counter",
-    "KV bytes this worker replicated to checkpoint holders",
-    *_W,
-)
-WORKER_CHECKPOINT_PUT_TRANSPORT_BYTES = _spec(
-    "pdserve_worker_checkpoint_put_transport_bytes_total",
-    "counter",
-    "KV bytes replicated to checkpoint holders, by the transport that carried them",
-    *_W,
-    "transport",
-)
-WORKER_CHECKPOINT_PUTS = _spec(
-    "pdserve_worker_checkpoint_puts_total",
-    "counter",
-    "Checkpoint puts this worker sent, by how: over a replication link or a transfer session",
-    *_W,
-    "path",
-)
-WORKER_CHECKPOINT_LINK_PUTS_RECEIVED = _spec(
-    "pdserve_worker_checkpoint_link_puts_received_total",
-    "counter",
-    "Checkpoint puts received over replication links as a holder, by result (held, or why refused)",
-    *_W,
-    "result",
-)
-WORKER_CHECKPOINT_STREAM_FAILURES = _spec(
-    "pdserve_worker_checkpoint_stream_failures_total",
-    "counter",
-    "Checkpoint streams stopped because their holder failed (the request went on), by error",
-    *_W,
-    "error",
-)
-WORKER_CHECKPOINT_HELD_BLOCKS = _spec(
-    "pdserve_worker_checkpoint_held_blocks",
-    "gauge",
-    "KV blocks this worker holds as a checkpoint holder (host memory)",
-    *_W,
-)
-WORKER_CHECKPOINT_HELD_BYTES = _spec(
-    "pdserve_worker_checkpoint_held_bytes",
-    "gauge",
-    "Host-memory bytes this worker holds or has reserved for checkpoints",
-    *_W,
-)
-WORKER_CHECKPOINT_OWNERS = _spec(
-    "pdserve_worker_checkpoint_owners",
-    "gauge",
-    "Requests holding checkpoints on this worker (each under a lease)",
-    *_W,
-)
-WORKER_CHECKPOINT_REFUSALS = _spec(
-    "pdserve_worker_checkpoint_refusals_total",
-    "counter",
-    "Checkpoint puts and reads this holder refused, by reason (full, version, fingerprint,"
-    " checksum, chain, missing)",
-    *_W,
-    "reason",
-)
-WORKER_CHECKPOINT_CANARY = _spec(
-    "pdserve_worker_checkpoint_canary_total",
-    "counter",
-    "Value checks of pulled checkpoints by result (exact, tolerance, mismatch, missing)",
-    *_W,
-    "result",
-)
-
-# ---- worker: its prefix cache as a resume's source (`worker/prefix_source.py`) -------------
-WORKER_CACHE_SOURCE_LOOKUPS = _spec(
-    "pdserve_worker_cache_source_lookups_total",
-    "counter",
-    "Resuming peers' lookups of their KV in this worker's prefix cache",
-    *_W,
-)
-WORKER_CACHE_SOURCE_SENT_BLOCKS = _spec(
-    "pdserve_worker_cache_source_sent_blocks_total",
-    "counter",
-    "Prefix-cache blocks this worker sent to resuming peers",
-    *_W,
-)
-WORKER_CACHE_SOURCE_SENT_BYTES = _spec(
-    "pdserve_worker_cache_source_sent_bytes_total",
-    "counter",
-    "Prefix-cache KV bytes this worker sent to resuming peers",
-    *_W,
-)
-WORKER_CACHE_SOURCE_REFUSALS = _spec(
-    "pdserve_worker_cache_source_refusals_total",
-    "counter",
-    "Prefix-cache sends refused (fingerprint, version, blocks evicted since the lookup), by reason",
-    *_W,
-    "reason",
-)
-WORKER_CACHE_SOURCE_SEND_FAILURES = _spec(
-    "pdserve_worker_cache_source_send_failures_total",
-    "counter",
-    "Prefix-cache sends to resuming peers that failed in transfer, by error",
-    *_W,
-    "error",
-)
-WORKER_CHECKPOINT_LEASE_EXPIRIES = _spec(
-    "pdserve_worker_checkpoint_lease_expiries_total",
-    "counter",
-    "Checkpoint owners released because their writer stopped renewing",
-    *_W,
-)
-
 ALL: tuple[MetricSpec, ...] = tuple(
-    v for v in list(globals().values()) if isinstance(v, MetricSpec)
+    v
+    for v in [*globals().values(), *vars(checkpoint_metric_names).values()]
+    if isinstance(v, MetricSpec)
 )
 NAMES: frozenset[str] = frozenset(spec.name for spec in ALL)
 # Series names a query may use: a histogram's three series, everything else its own name.

@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from pdserve.checkpoint.host_tier import HostTier
 from pdserve.engine.engine import Engine, RequestDelta
 from pdserve.errors import RequestNotFound
-from pdserve.observability import metric_names as m
+from pdserve.observability import checkpoint_metric_names as cm
 from pdserve.observability.exposition import by_label, render_family
 from pdserve.observability.timeline_log import EventRing
 from pdserve.transfer.sender import SendPolicy
@@ -217,37 +217,37 @@ class CheckpointService:
         tier, store, counters = self.store.tier, self.store, self.streams.counters
         lines: list[str] = []
         lines += render_family(
-            m.WORKER_CHECKPOINT_RESUMES,
+            cm.WORKER_CHECKPOINT_RESUMES,
             [({**w, "path": p, "reason": r}, n) for (p, r), n in sorted(self.resumes.items())],
         )
         for spec, value in (
-            (m.WORKER_CHECKPOINT_RESUMED_TOKENS, self.num_resumed_tokens),
-            (m.WORKER_CHECKPOINT_RECOMPUTED_TOKENS, self.num_recomputed_tokens),
-            (m.WORKER_CHECKPOINT_PULLED_BYTES, self.num_pulled_bytes),
-            (m.WORKER_CHECKPOINT_PUT_BLOCKS, counters.num_blocks_put),
-            (m.WORKER_CHECKPOINT_PUT_BYTES, counters.num_bytes_put),
-            (m.WORKER_CHECKPOINT_HELD_BLOCKS, tier.num_blocks),
-            (m.WORKER_CHECKPOINT_HELD_BYTES, tier.used_bytes + tier.reserved_bytes),
-            (m.WORKER_CHECKPOINT_OWNERS, tier.num_owners),
-            (m.WORKER_CHECKPOINT_LEASE_EXPIRIES, store.num_lease_expiries),
+            (cm.WORKER_CHECKPOINT_RESUMED_TOKENS, self.num_resumed_tokens),
+            (cm.WORKER_CHECKPOINT_RECOMPUTED_TOKENS, self.num_recomputed_tokens),
+            (cm.WORKER_CHECKPOINT_PULLED_BYTES, self.num_pulled_bytes),
+            (cm.WORKER_CHECKPOINT_PUT_BLOCKS, counters.num_blocks_put),
+            (cm.WORKER_CHECKPOINT_PUT_BYTES, counters.num_bytes_put),
+            (cm.WORKER_CHECKPOINT_HELD_BLOCKS, tier.num_blocks),
+            (cm.WORKER_CHECKPOINT_HELD_BYTES, tier.used_bytes + tier.reserved_bytes),
+            (cm.WORKER_CHECKPOINT_OWNERS, tier.num_owners),
+            (cm.WORKER_CHECKPOINT_LEASE_EXPIRIES, store.num_lease_expiries),
         ):
             lines += render_family(spec, [(w, value)])
         lines += render_family(
-            m.WORKER_CHECKPOINT_PUT_TRANSPORT_BYTES,
+            cm.WORKER_CHECKPOINT_PUT_TRANSPORT_BYTES,
             by_label(w, "transport", counters.bytes_by_transport),
         )
         num_link = counters.num_link_puts
         paths = {"link": num_link, "session": counters.num_puts - num_link}
-        lines += render_family(m.WORKER_CHECKPOINT_PUTS, by_label(w, "path", paths))
+        lines += render_family(cm.WORKER_CHECKPOINT_PUTS, by_label(w, "path", paths))
         lines += render_family(
-            m.WORKER_CHECKPOINT_LINK_PUTS_RECEIVED,
+            cm.WORKER_CHECKPOINT_LINK_PUTS_RECEIVED,
             by_label(w, "result", self.link_server.puts),
         )
         lines += render_family(
-            m.WORKER_CHECKPOINT_STREAM_FAILURES, by_label(w, "error", counters.failures)
+            cm.WORKER_CHECKPOINT_STREAM_FAILURES, by_label(w, "error", counters.failures)
         )
         lines += render_family(
-            m.WORKER_CHECKPOINT_CANARY, by_label(w, "result", self.canary_counts)
+            cm.WORKER_CHECKPOINT_CANARY, by_label(w, "result", self.canary_counts)
         )
-        lines += render_family(m.WORKER_CHECKPOINT_REFUSALS, by_label(w, "reason", tier.refused))
+        lines += render_family(cm.WORKER_CHECKPOINT_REFUSALS, by_label(w, "reason", tier.refused))
         return "\n".join(lines) + "\n"

@@ -30,7 +30,7 @@ from pdserve.checkpoint.holder import Refusal
 from pdserve.engine.canary import ValueDigest
 from pdserve.engine.engine import Engine
 from pdserve.errors import CheckpointRefused, PdserveError
-from pdserve.observability import metric_names as m
+from pdserve.observability import checkpoint_metric_names as cm
 from pdserve.observability.exposition import by_label, render_family
 from pdserve.transfer.sender import SendPolicy
 from pdserve.worker.checkpoint_protocol import (
@@ -143,14 +143,14 @@ class PrefixCacheSource:
         w = {"worker_id": worker_id}
         lines: list[str] = []
         for spec, value in (
-            (m.WORKER_CACHE_SOURCE_LOOKUPS, self.num_lookups),
-            (m.WORKER_CACHE_SOURCE_SENT_BLOCKS, self.num_blocks_sent),
-            (m.WORKER_CACHE_SOURCE_SENT_BYTES, self.num_bytes_sent),
+            (cm.WORKER_CACHE_SOURCE_LOOKUPS, self.num_lookups),
+            (cm.WORKER_CACHE_SOURCE_SENT_BLOCKS, self.num_blocks_sent),
+            (cm.WORKER_CACHE_SOURCE_SENT_BYTES, self.num_bytes_sent),
         ):
             lines += render_family(spec, [(w, value)])
-        lines += render_family(m.WORKER_CACHE_SOURCE_REFUSALS, by_label(w, "reason", self.refused))
+        lines += render_family(cm.WORKER_CACHE_SOURCE_REFUSALS, by_label(w, "reason", self.refused))
         lines += render_family(
-            m.WORKER_CACHE_SOURCE_SEND_FAILURES, by_label(w, "error", self.send_failures)
+            cm.WORKER_CACHE_SOURCE_SEND_FAILURES, by_label(w, "error", self.send_failures)
         )
         return "\n".join(lines) + "\n"
 
