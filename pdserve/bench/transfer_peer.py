@@ -39,8 +39,9 @@ import xxhash
 from pdserve.bench.transfer_stats import LayoutSpec
 from pdserve.engine.kv_cache import KVCache
 from pdserve.transfer.byte_ranges import payload_views, split_payload
+from pdserve.transfer.framing import PROGRESS_BYTES
 from pdserve.transfer.messages import KVLayout
-from pdserve.transfer.receiver import PROGRESS_BYTES, IncomingTransfer, KVReceiver
+from pdserve.transfer.receiver import IncomingTransfer, KVReceiver
 from pdserve.transfer.receiver_session import ReceivePlan
 from pdserve.transfer.sender import LeaseHandle
 from pdserve.transfer.session import FingerprintMap

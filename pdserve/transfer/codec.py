@@ -123,14 +123,17 @@ def encode(
     *,
     envelope: Envelope = Envelope(),  # frozen: safe to share as a default
     verify_data: bool = True,
+    checksum: int | None = None,
 ) -> list[bytes | memoryview]:
     """Frame `message` for sending: `[header + body, *data buffers]`, data never copied.
 
-    `data` (Chunk and Put only) is one buffer or a sequence of C-contiguous buffers, e.g. the memory
-    of consecutive KV blocks; bytes and byte memoryviews are returned as the same objects.
+    `data` (Chunk and Put only) is one buffer or a sequence of C-contiguous buffers, e.g. the
+    memory of consecutive KV blocks; bytes and byte memoryviews are returned as the same objects.
     The data checksum is streamed over them and must equal the Chunk's payload_checksum (it
     catches KV memory that changed after the Chunk was built); `verify_data=False` trusts the
-    Chunk's checksum and skips that pass. Raises ValueError on any local misuse.
+    Chunk's checksum and skips that pass; a Put's data checksum is `checksum` when the caller
+    has just computed it (its MAC covers it), else computed here. Raises ValueError on any
+    local misuse.
     """
     views = _as_byte_views(_buffers(data))
     data_len = sum(len(v) for v in views)
@@ -145,7 +148,8 @@ def encode(
     elif message.TYPE in DATA_TYPES:
         if data_len == 0:
             raise ValueError(f"a {type(message).__name__} needs its data")
-        checksum = data_checksum(views)
+        if checksum is None:
+            checksum = data_checksum(views)
     elif data_len:
         raise ValueError(f"{type(message).__name__} frames carry no data")
     else:

@@ -23,8 +23,8 @@ and, on reconnecting, an unknown transfer or an old epoch: its bytes never reach
 now belong to another request. Every transport lands bytes through this task (TCP recv_into,
 or a copy out of the receiver's own shm/NIXL inbox), so cancelling it stops every write.
 
-**Liveness.** Each chunk header and each landed piece of its data (at most `PROGRESS_BYTES`)
-calls `on_progress` (the owner renews the reservation's lease there): a transfer that keeps
+**Liveness.** Each chunk header and each landed piece of its data (at most
+`framing.PROGRESS_BYTES`) calls `on_progress` (the owner renews the reservation's lease there): a transfer that keeps
 moving bytes (at least a piece per lease TTL) keeps its reservation however long it takes; a
 silent one lets the lease lapse. A connection must send a valid Hello within
 `handshake_timeout_s`, then each frame header, body and data within `frame_timeout_s` (the
@@ -46,20 +46,19 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-import xxhash
-
 from pdserve.errors import PdserveError, StaleAttempt, TransferError, TransferTimeout
 from pdserve.transfer.byte_ranges import payload_views
 from pdserve.transfer.codec import Envelope, FrameHeader
-from pdserve.transfer.framing import discard_data, read_frame, write_frame
+from pdserve.transfer.framing import (
+    discard_data,
+    read_data_into,
+    read_frame,
+    write_frame,
+)
 from pdserve.transfer.messages import Begin, Chunk, Hello, Message, Nack, NackCode, Renew, Role
 from pdserve.transfer.receiver_session import ReceivePlan, ReceiverSession
 from pdserve.transfer.session import FingerprintMap, Outbound
 from pdserve.transfer.stream import ByteStream
-
-# Bytes landed per receive call, each followed by `on_progress` and a hash update: often
-# enough that a slow chunk still renews its lease, rarely enough that neither costs anything.
-PROGRESS_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,24 +312,15 @@ class KVReceiver:
         views = payload_views(incoming.blocks, layout.block_bytes, chunk.offset, chunk.num_bytes)
         if incoming.on_progress is not None:
             incoming.on_progress()  # a chunk header arrived: the sender is alive
-        # Hashed piece by piece as it lands, while the bytes are still in cache: the same
-        # digest as one pass over the whole chunk afterwards, without that second pass.
-        hasher = xxhash.xxh3_64()
-        for view in views:
-            for start in range(0, view.nbytes, PROGRESS_BYTES):
-                piece = view[start : start + PROGRESS_BYTES]
-                try:
-                    async with asyncio.timeout(self.limits.frame_timeout_s):
-                        await stream.receive_into(piece)
-                except TimeoutError:
-                    raise TransferTimeout(
-                        f"chunk at byte {chunk.offset}: no data for {self.limits.frame_timeout_s}s"
-                    ) from None
-                hasher.update(piece)
-                if incoming.on_progress is not None:
-                    incoming.on_progress()
+        timeout_s = self.limits.frame_timeout_s
+        try:
+            digest = await read_data_into(stream, views, timeout_s, incoming.on_progress)
+        except TimeoutError:
+            raise TransferTimeout(
+                f"chunk at byte {chunk.offset}: no data for {timeout_s}s"
+            ) from None
         assert incoming.session is not None
-        return incoming.session.data_received(hasher.intdigest())
+        return incoming.session.data_received(digest)
 
     async def _discard(self, stream: ByteStream, header: FrameHeader) -> None:
         async with asyncio.timeout(self.limits.frame_timeout_s):

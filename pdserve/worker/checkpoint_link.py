@@ -114,9 +114,10 @@ class CheckpointLinks:
             if link.session is None:
                 await self._open(link)
             assert link.stream is not None and link.session is not None
-            out = link.session.put(put, data_checksum(blocks))
+            checksum = data_checksum(blocks)  # signed by the Put's MAC, and framed as is
+            out = link.session.put(put, checksum)
             async with asyncio.timeout(self._timeout_s):
-                await write_frame(link.stream, out, blocks)
+                await write_frame(link.stream, out, blocks, checksum=checksum)
                 header, message = await read_frame(link.stream)
             try:
                 link.session.receive_reply(header, message)

@@ -23,15 +23,13 @@ import asyncio
 import contextlib
 from collections import Counter
 
-import xxhash
-
 from pdserve.checkpoint.holder import Refusal
 from pdserve.errors import CheckpointRefused, FingerprintMismatch, PdserveError
 from pdserve.transfer.codec import FrameHeader
-from pdserve.transfer.framing import discard_data, read_frame, write_frame
+from pdserve.transfer.framing import discard_data, read_data_into, read_frame, write_frame
 from pdserve.transfer.link_session import LinkHolder
 from pdserve.transfer.messages import Hello, NackCode, Put, Role
-from pdserve.transfer.receiver import PROGRESS_BYTES, ReceiverLimits
+from pdserve.transfer.receiver import ReceiverLimits
 from pdserve.transfer.session import Outbound
 from pdserve.transfer.stream import ByteStream
 from pdserve.worker.checkpoint_store import CheckpointStore
@@ -113,14 +111,9 @@ class LinkServer:
             return session.nack(NackCode.CHECKPOINT_REFUSED, str(exc))
         verified = False
         try:
-            hasher = xxhash.xxh3_64()
-            for view in pending.buffers:
-                for start in range(0, view.nbytes, PROGRESS_BYTES):
-                    piece = view[start : start + PROGRESS_BYTES]
-                    async with asyncio.timeout(self._limits.frame_timeout_s):
-                        await stream.receive_into(piece)
-                    hasher.update(piece)
-            verified = hasher.intdigest() == header.data_checksum
+            timeout_s = self._limits.frame_timeout_s
+            digest = await read_data_into(stream, pending.buffers, timeout_s)
+            verified = digest == header.data_checksum
         finally:
             held = self._store.finish_direct(pending, verified, put.value_digest)
         if held:
