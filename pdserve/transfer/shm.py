@@ -176,10 +176,7 @@ async def connect_shm(control: ByteStream, config: ShmConfig | None = None) -> S
 
     def close() -> None:
         inbox.close()
-        for m in peer_maps:
-            if m is not None:
-                with contextlib.suppress(BufferError):
-                    m.close()
+        _close_maps(peer_maps)
 
     return SlotStream(
         control,
@@ -221,9 +218,7 @@ async def _exchange_arenas(
         if mine:
             await control.receive_into(memoryview(mapped))
     except BaseException:
-        for m in peer_maps:
-            if m is not None:
-                m.close()
+        _close_maps(peer_maps)
         raise
     if any(flag > 1 for flag in mapped):
         raise ProtocolError(f"shm handshake: bad MAPPED flags {bytes(mapped)!r}")
@@ -231,6 +226,14 @@ async def _exchange_arenas(
         # Not an error (the bytes go through slots, two copies), but never silent.
         log.info("shm peer mapped %d of this process's %d KV arenas", sum(mapped), len(mine))
     return [a if mapped[i] else None for i, a in enumerate(mine)], peer_maps
+
+
+def _close_maps(maps: list[mmap.mmap | None]) -> None:
+    for m in maps:
+        if m is not None:
+            # A view still alive somewhere keeps the mapping until it goes.
+            with contextlib.suppress(BufferError):
+                m.close()
 
 
 def _info(a: arena.Arena) -> tuple[int, int, int]:

@@ -175,7 +175,9 @@ class SlotStream(ByteStream):
         self._send_state = DirectionState(f"{name} send")
         self._receive_state = DirectionState(f"{name} receive")
         self._closed = False
-        self._exported = list(exported)
+        # The arenas the peer mapped (a REF names one by its index in `exported`).
+        self._ref_arenas = [a for a in exported if a is not None]
+        self._ref_ids = [i for i, a in enumerate(exported) if a is not None]
         self._peer_arenas = list(peer_arenas)
         # Bytes sent by reference (REF) and through slots (DATA, INLINE), for tests and stats.
         self.num_ref_bytes = 0
@@ -224,18 +226,16 @@ class SlotStream(ByteStream):
     ) -> Iterator[tuple[tuple[int, int] | None, list[memoryview]]]:
         """`views` in order as runs: ((arena id, offset), [one view]) for a view the peer can
         read by reference, (None, [views]) for consecutive ones that go through slots."""
-        usable = [a for a in self._exported if a is not None]
-        ids = [i for i, a in enumerate(self._exported) if a is not None]
         run: list[memoryview] = []
         for view in views:
-            found = locate(view, usable) if usable else None
+            found = locate(view, self._ref_arenas) if self._ref_arenas else None
             if found is None:
                 run.append(view)
                 continue
             if run:
                 yield None, run
                 run = []
-            yield (ids[found[0]], found[1]), [view]
+            yield (self._ref_ids[found[0]], found[1]), [view]
         if run:
             yield None, run
 
@@ -309,9 +309,13 @@ class SlotStream(ByteStream):
         self._reader.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._reader
-        # Drop the views of unread bytes before the inbox they point into is released.
+        # Drop the views of unread bytes before the inbox and peer arenas they point into are
+        # released (a mapping with a live view cannot be closed).
         self._pending.clear()
         self._current = None
+        for view in self._peer_arenas:
+            if view is not None:
+                view.release()
         try:
             await self._control.aclose()
         finally:

@@ -168,7 +168,7 @@ class Replica:
                 s.forget_link(self.plan.holder_url)
         if not transport:
             num_bytes, transport = await self._put_in_session(
-                start, block_tokens, views, value_digest
+                start, block_tokens, tokens, views, value_digest
             )
         for block in block_tokens:
             self._parent_hash = hash_block_tokens(self._parent_hash, block)
@@ -182,6 +182,7 @@ class Replica:
         self,
         start: int,
         block_tokens: list[list[int]],
+        tokens: list[int],
         views: list[memoryview],
         value_digest: bytes,
     ) -> tuple[int, str]:
@@ -203,7 +204,7 @@ class Replica:
         num_bytes = await s.sender.send(
             destination,
             put_request_id(self.owner, body.first_version),
-            [t for block in block_tokens for t in block],
+            tokens,
             views,
             s.send_timeout_s,
             value_digest=value_digest,
