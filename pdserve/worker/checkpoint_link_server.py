@@ -4,14 +4,14 @@ A decode worker keeps one link per holder (`checkpoint_link.py`) and sends each 
 as one frame on it. Here, for each connection whose first frame is a link's Hello:
 
     Hello ──► LinkHolder.accept (MAC, version, fingerprint; a refusal is counted and answered)
-    each Put ──► check (sequence, MAC) ──► store.begin_direct (room, chain, version; owner
+    each Put ──► check (sequence, MAC) ──► store.begin_put (room, chain, version; owner
                  leased) ──► the data lands in the put's own buffers, hashed as it lands
-             ──► store.finish_direct (held if verified and the owner is still leased) ──► Ack
+             ──► store.finish_put (held if verified and the owner is still leased) ──► Ack
     refused put (full, chain, version, checksum, owner released) ──► Nack, the link goes on
     bad MAC, bad sequence, silence past the idle timeout, anything unparsable ──► closed
 
-No write after the lease: a put's bytes land only in buffers `begin_direct` allocated for it,
-which no other owner can see until `finish_direct` commits them, and it commits only while the
+No write after the lease: a put's bytes land only in buffers `begin_put` allocated for it,
+which no other owner can see until `finish_put` commits them, and it commits only while the
 owner's lease holds. A writer paused past its lease finds its owner released and its chain gone.
 
 It knows the link session, frames and the checkpoint store; not HTTP or the engine.
@@ -102,7 +102,7 @@ class LinkServer:
             return session.nack(NackCode.CHECKPOINT_REFUSED, text)
         block_tokens = [tokens[i * bs : (i + 1) * bs] for i in range(num_blocks)]
         try:
-            pending = self._store.begin_direct(
+            pending = self._store.begin_put(
                 put.owner, put.parent_hash, put.first_version, block_tokens, put.lease_ttl
             )
         except CheckpointRefused as exc:
@@ -115,7 +115,7 @@ class LinkServer:
             digest = await read_data_into(stream, pending.buffers, timeout_s)
             verified = digest == header.data_checksum
         finally:
-            held = self._store.finish_direct(pending, verified, put.value_digest)
+            held = self._store.finish_put(pending, verified, put.value_digest)
         if held:
             self.puts["held"] += 1
             return session.ack()

@@ -122,14 +122,9 @@ class CheckpointStore:
         """Reserve room for the blocks and expect their transfer; CheckpointRefused (full,
         chain, version, fingerprint) before any byte travels."""
         self._check_fingerprint(body.fingerprint_digest, f"checkpoint put of {body.owner}")
-        pending = self.tier.begin_put(
-            body.owner,
-            body.fingerprint_digest,
-            body.parent_hash,
-            body.first_version,
-            body.block_tokens,
+        pending = self.begin_put(
+            body.owner, body.parent_hash, body.first_version, body.block_tokens, body.lease_ttl_s
         )
-        self._lease(body.owner, body.lease_ttl_s)
         info = self._info
         tokens = [t for block in body.block_tokens for t in block]
         transfer_id, capability = os.urandom(16), os.urandom(16)
@@ -175,15 +170,11 @@ class CheckpointStore:
             pass
         finally:
             await asyncio.shield(self._receiver.fence(incoming.plan.transfer_id))
-            if ok and pending.owner in self._leases:
-                # The writer's value digest of the put's last position came in its Commit.
-                session = incoming.session
-                self.tier.commit(pending, session.value_digest if session is not None else b"")
-            else:
-                # Timed out, or the owner was released (request ended) while bytes flew.
-                self.tier.abort(pending)
+            # The writer's value digest of the put's last position came in its Commit.
+            session = incoming.session
+            self.finish_put(pending, ok, session.value_digest if session is not None else b"")
 
-    def begin_direct(
+    def begin_put(
         self,
         owner: str,
         parent_hash: int,
@@ -191,17 +182,17 @@ class CheckpointStore:
         block_tokens: list[list[int]],
         lease_ttl_s: float,
     ) -> HostPut:
-        """Room for a put whose bytes arrive on a checkpoint link (its fingerprint was checked
-        at the link's handshake); CheckpointRefused as `put`."""
+        """Room for a put of this engine's fingerprint (checked by the caller: `put`, or a
+        link's handshake), the owner leased; CheckpointRefused (full, chain, version)."""
         pending = self.tier.begin_put(
             owner, self._info.fingerprint_digest, parent_hash, first_version, block_tokens
         )
         self._lease(owner, lease_ttl_s)
         return pending
 
-    def finish_direct(self, pending: HostPut, verified: bool, value_digest: bytes) -> bool:
-        """Hold a direct put's blocks if its bytes were verified and its owner is still
-        leased, else give its room back; True when held."""
+    def finish_put(self, pending: HostPut, verified: bool, value_digest: bytes) -> bool:
+        """Hold a put's blocks if its bytes were verified and its owner is still leased (not
+        released while they flew), else give its room back; True when held."""
         if verified and pending.owner in self._leases:
             self.tier.commit(pending, value_digest)
             return True

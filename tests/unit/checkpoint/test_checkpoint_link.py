@@ -251,9 +251,9 @@ def test_a_put_cancelled_anywhere_leaves_a_working_link_and_nothing_reserved(yie
 def test_a_direct_put_whose_owner_was_released_while_its_bytes_arrived_is_not_held() -> None:
     tier = HostTier(1 << 20, BS, BLOCK_BYTES)
     store = CheckpointStore(tier, INFO, None, list, None)  # type: ignore[arg-type]
-    pending = store.begin_direct("req-1", 0, BS, [TOKENS[:BS]], 30.0)
+    pending = store.begin_put("req-1", 0, BS, [TOKENS[:BS]], 30.0)
     store.release("req-1")  # the request ended while the bytes flew
-    assert not store.finish_direct(pending, True, b"")
+    assert not store.finish_put(pending, True, b"")
     assert tier.num_blocks == 0 and tier.reserved_bytes == 0
     tier.check_invariants()
 
