@@ -155,3 +155,31 @@ def test_an_arena_whose_owner_is_gone_is_no_longer_exported_and_its_fd_closes() 
     # Closed: the number is free, or was reused by something that is not this memfd.
     with contextlib.suppress(FileNotFoundError):
         assert "pdserve-kv" not in os.readlink(f"/proc/self/fd/{fd}")
+
+
+def test_arena_bytes_changed_after_the_send_fail_the_receivers_checksum() -> None:
+    """The receiver reads a REF when it gets to it: a sender that reuses the memory in the
+    meantime (its lease ended) is caught by the check of what the receiver copied, as the KV
+    receiver checks every Chunk (`framing.read_data_into` against the frame's checksum)."""
+    from pdserve.transfer.codec import Envelope, data_checksum
+    from pdserve.transfer.framing import read_data_into, read_frame, write_frame
+    from pdserve.transfer.messages import Chunk
+    from pdserve.transfer.session import Outbound
+
+    src = np.frombuffer(ARENA.map, dtype=np.uint8)
+    block = memoryview(ARENA.map)[12 * MIB : 13 * MIB]
+
+    async def body() -> None:
+        async with _Pair() as (a, b):
+            chunk = Chunk(0, MIB, data_checksum([block]))
+            await write_frame(a, Outbound(Envelope(), chunk), [block])
+            assert a.num_ref_bytes == MIB  # sent by reference: nothing copied yet
+            src[12 * MIB + 7] ^= 0xFF  # the sender reuses the block before b reads it
+            header, message = await read_frame(b)
+            assert isinstance(message, Chunk)
+            landed = memoryview(bytearray(MIB))
+            digest = await read_data_into(b, [landed], 5.0)
+            assert digest != header.data_checksum  # refused, never trusted
+            src[12 * MIB + 7] ^= 0xFF
+
+    run(body())
