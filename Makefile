@@ -8,6 +8,9 @@ PY := .venv/bin/python
 	$(PY) -m pip install -q torch==2.13.0
 	# NIXL (KV transport over UCX) without deps: plain `pip install nixl` pulls a CUDA torch.
 	$(PY) -m pip install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1
+	# Triton, so the paged-decode kernel's tests run it on CPU in Triton's interpreter (no deps;
+	# a 286 MB wheel). A CUDA torch brings its own pinned Triton instead.
+	$(PY) -m pip install -q --no-deps triton==3.9.0
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
@@ -55,4 +58,23 @@ test: install system-deps client-venvs
 	# The outside-client tests must run here, not skip for want of their venvs.
 	PDSERVE_REQUIRE_CLIENTS=1 $(PY) -m pytest -q
 
-.PHONY: install system-deps run test client-venvs
+# The GPU check (`pdserve bench gpu-check`: parity, engine speed at batch 1/32/128 and a
+# disaggregated run on one GPU, < 8 min on an H200), run with the machine's own CUDA torch and
+# this checkout on PYTHONPATH. An image without registry access lacks pydantic: `make
+# gpu-wheels` (here, where pip works) downloads it as CPython 3.12 wheels into .whl/, and
+# `make gpu-check` installs whatever is in .whl/ into /tmp/site first.
+GPU_WHEELS := pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
+GPU_CHECK_JSON ?= gpu_check.json
+
+gpu-wheels:
+	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl $(GPU_WHEELS)
+
+gpu-check:
+	@if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-index --no-deps \
+		--no-compile --target /tmp/site .whl/*.whl; fi
+	PYTHONPATH=/tmp/site:$(CURDIR) python3 -m pdserve bench gpu-check --device cuda \
+		--json $(GPU_CHECK_JSON)
+
+.PHONY: install system-deps run test client-venvs gpu-wheels gpu-check

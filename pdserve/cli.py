@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from pdserve.config import DEVICES, DTYPES
 from pdserve.config_file import add_config_flag
 from pdserve.errors import ConfigError, PdserveError
 from pdserve.flags import add_engine_flags, add_policy_flags
@@ -67,9 +68,15 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", default=None, help="Hugging Face model folder (default: tiny built-in)"
     )
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="float16: CUDA only")
     p.add_argument("--quantization", default=None, choices=["int8"])
     p.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block")
+    p.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="auto",
+        help="auto: CUDA when torch has it and a GPU is visible, else the CPU",
+    )
 
 
 # `pdserve bench engine --model-shape` choices: "tiny" and `bench.model_shapes.SHAPES`.
@@ -115,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument(
         "--model", default=None, help="Hugging Face model folder (default: tiny built-in)"
     )
-    u.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    u.add_argument("--dtype", default="float32", choices=DTYPES, help="float16: CUDA only")
     u.add_argument("--block-size", type=_positive_int, default=16)
     u.add_argument("--host", default="127.0.0.1")
     u.add_argument("--port", type=_port, default=8000, help="first router's port (then +1, ...)")
@@ -266,6 +273,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="timed runs of each case per side, alternating (median counts; --quick: 1)",
     )
     be.add_argument(
+        "--batch",
+        action="append",
+        type=_positive_int,
+        default=None,
+        help="size of a mixed-length batch case (repeatable; default 32, or 8 with --quick)",
+    )
+    be.add_argument(
         "--model-shape",
         action="append",
         # Spelled out here so the CLI parses without importing torch; a unit test keeps it
@@ -275,6 +289,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="measure this shape (repeatable; default: both, or tiny with --quick); a random"
         " checkpoint of the shape is written by transformers, nothing is downloaded",
     )
+    bg = bsub.add_parser(
+        "gpu-check", help="parity, engine speed and a disaggregated run on a GPU (JSON)"
+    )
+    bg.add_argument("--device", choices=DEVICES, default="cuda")
+    bg.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="of the speed runs")
+    bg.add_argument("--quick", action="store_true", help="small everything (the CPU smoke run)")
+    bg.add_argument("--json", default=None, help="write the report here")
     bm = bsub.add_parser(
         "multiturn", help="multi-turn chats: round-robin vs affinity routing on local clusters"
     )
@@ -311,7 +332,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
     )
     llm = LLM(
-        args.model, dtype=args.dtype, quantization=args.quantization, block_size=args.block_size
+        args.model,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        device=args.device,
+        block_size=args.block_size,
     )
     out = llm.generate([args.prompt], params)[0]
     print(args.prompt + out.text)
@@ -331,6 +356,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from pdserve.bench.multiturn import run_multiturn_bench
 
         return run_multiturn_bench(args)
+    if args.bench == "gpu-check":
+        from pdserve.bench.gpu_check import run_gpu_check
+
+        return run_gpu_check(args)
     from pdserve.bench.engine_bench import run_engine_bench
 
     return run_engine_bench(args)

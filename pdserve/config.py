@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 
 from pdserve.errors import ConfigError
 
-DTYPES = ("float32", "bfloat16")
+# float16 is served on CUDA only (`model.device`).
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = (None, "int8")
 
 
@@ -24,10 +26,15 @@ class ModelLoadConfig:
     dtype: str = "float32"
     # Weight-only int8 (per output channel) or None.
     quantization: str | None = None
+    # auto: CUDA when this torch build has it and a GPU is visible, else the CPU
+    # (`model.device.resolve_device`, which also refuses float16 off CUDA).
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.device not in DEVICES:
+            raise ConfigError(f"device: {self.device!r} is not one of {', '.join(DEVICES)}")
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization: {self.quantization!r} is not one of None, 'int8'")
 
@@ -61,6 +68,11 @@ class EngineConfig:
     # shared-memory transport hands a handoff's blocks over with one copy (the receiver's)
     # instead of two. Set by workers that send KV over shm; nothing else changes.
     shared_kv: bool = False
+    # KV handed off through a host mirror of the cache (`engine/kv_cache.py`): what a GPU
+    # engine always does; on the CPU it exercises the same staging path in tests.
+    kv_host_staging: bool = False
+    # On CUDA, decode-only steps replay CUDA graphs captured per padded batch size.
+    cuda_graphs: bool = True
     model: ModelLoadConfig = field(default_factory=ModelLoadConfig)
 
     def __post_init__(self) -> None:

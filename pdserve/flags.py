@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.config import EngineConfig
+from pdserve.config import DEVICES, EngineConfig
 from pdserve.router.auto_mode import AutoConfig
 from pdserve.router.config import (
     RECOVERY_STEPS,
@@ -180,6 +180,25 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=_ENGINE_DEFAULTS.enable_chunked_prefill,
         help="split long prompts into chunks that share steps with decoding",
+    )
+    e.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="auto",
+        help="where the engine runs: auto is CUDA when torch has it and a GPU is visible",
+    )
+    e.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=_ENGINE_DEFAULTS.cuda_graphs,
+        help="on CUDA, replay decode steps as captured graphs",
+    )
+    e.add_argument(
+        "--kv-host-staging",
+        action=argparse.BooleanOptionalAction,
+        default=_ENGINE_DEFAULTS.kv_host_staging,
+        help="hand KV off through a host mirror of the cache (always so on a GPU; on the CPU"
+        " for tests of that path)",
     )
     e.add_argument(
         "--batch-invariant",

@@ -37,9 +37,12 @@ class LLM:
         model: str | None = None,
         dtype: str = "float32",
         quantization: str | None = None,
+        device: str = "auto",
         **engine_options: object,
     ) -> None:
-        load = ModelLoadConfig(path=model, dtype=dtype, quantization=quantization)
+        """`device`: auto (CUDA when there is a GPU), cpu or cuda; `engine_options`: any
+        `EngineConfig` field."""
+        load = ModelLoadConfig(path=model, dtype=dtype, quantization=quantization, device=device)
         try:
             config = EngineConfig(model=load, **engine_options)  # type: ignore[arg-type]
         except TypeError as exc:

@@ -4,9 +4,10 @@ For each model shape (the tiny default and a random checkpoint of SmolLM-135M's 
 by transformers, or one `--model` folder), in one process, greedy, EOS ignored so both sides
 produce the same number of tokens:
 - batch 1: a 128-token prompt, 64 new tokens;
-- batch 32: prompt lengths 32–256 and max_tokens 16–128 (seeded). transformers pads the batch
-  and runs to the longest max_tokens; only the tokens each request asked for count as output;
-- the decode step's breakdown at batch 1 and 32 (`step_breakdown`: model, attention, gathers,
+- batch 32 (or each `--batch`): prompt lengths 32–256 and max_tokens 16–128 (seeded).
+  transformers pads the batch and runs to the longest max_tokens; only the tokens each request
+  asked for count as output;
+- on the CPU, the decode step's breakdown at batch 1 and the first batch size (`step_breakdown`: model, attention, gathers,
   logits, sampler, Python), timed in a run of its own;
 - shared prefix: 90% of every prompt is shared; mean TTFT with prefix caching on and off.
 
@@ -17,6 +18,7 @@ timed batch-1 run prefilled 16 of its 128 tokens). Ratios are what matter on a n
 both sides see the same noise. Each case runs `--repeats` times (default 3), the two sides
 alternating and the first side swapping every repeat; a side's figure is its median, and every
 run is in the JSON (one run of a 0.1 s batch-1 case moved the ratio by 25% between two runs).
+`--device cuda` runs both sides on the GPU (each timed run ends with a synchronize).
 """
 
 from __future__ import annotations
@@ -83,6 +85,9 @@ def _run_transformers(
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
     n = max(max_tokens)
+    device = next(hf.parameters()).device
+    ids, mask = ids.to(device), mask.to(device)
+    _sync(device)
     start = time.perf_counter()
     with torch.inference_mode():
         hf.generate(  # type: ignore[operator]
@@ -93,7 +98,14 @@ def _run_transformers(
             do_sample=False,
             pad_token_id=0,
         )
+    _sync(device)
     return time.perf_counter() - start
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for queued GPU work, so a timer measures it (nothing to wait for on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _case(
@@ -160,22 +172,23 @@ def _bench_shape(name: str, path: str, args: argparse.Namespace) -> dict[str, ob
     """Every case on one checkpoint; prints its table and returns its JSON part."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+    batches = args.batch or ([8] if args.quick else [32])
     cfg = EngineConfig(
         block_size=args.block_size,
         enable_prefix_caching=False,
-        model=ModelLoadConfig(path=path, dtype=args.dtype, quantization=args.quantization),
+        max_num_seqs=max(64, *batches),
+        model=ModelLoadConfig(
+            path=path, dtype=args.dtype, quantization=args.quantization, device=args.device
+        ),
     )
     engine = Engine.from_config(cfg)
+    device = engine.kv_cache.device
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype))
+    hf = hf.to(device).eval()  # type: ignore[arg-type]
     vocab = engine.model.config.vocab_size
     rng = random.Random(0)
     quick = bool(args.quick)
     b1_len, b1_new = (32, 16) if quick else (128, 64)
-    n_batch = 8 if quick else 32
-    lengths = [rng.randint(32, 256) for _ in range(n_batch)]
-    news = [rng.randint(16, 128) for _ in range(n_batch)]
-    if quick:
-        news = [max(4, n // 8) for n in news]
     repeats = 1 if quick else args.repeats
     results = [
         _case(
@@ -186,24 +199,36 @@ def _bench_shape(name: str, path: str, args: argparse.Namespace) -> dict[str, ob
             [b1_new],
             _prompts(rng, vocab, [b1_len]),
             repeats,
-        ),
-        _case(
-            f"batch{n_batch}-mixed",
-            engine,
-            hf,
-            _prompts(rng, vocab, lengths),
-            news,
-            _prompts(rng, vocab, lengths),
-            repeats,
-        ),
-    ]
-    num_steps = 4 if quick else 16
-    breakdown = {
-        f"batch{n}": measure_decode_breakdown(
-            engine, _prompts(rng, vocab, [b1_len] * n), num_steps, f"breakdown{n}"
         )
-        for n in (1, n_batch)
-    }
+    ]
+    for n_batch in batches:
+        lengths = [rng.randint(32, 256) for _ in range(n_batch)]
+        news = [rng.randint(16, 128) for _ in range(n_batch)]
+        if quick:
+            news = [max(4, n // 8) for n in news]
+        results.append(
+            _case(
+                f"batch{n_batch}-mixed",
+                engine,
+                hf,
+                _prompts(rng, vocab, lengths),
+                news,
+                _prompts(rng, vocab, lengths),
+                repeats,
+            )
+        )
+    num_steps = 4 if quick else 16
+    # Timed by wall clock around each part: meaningless for a GPU's asynchronous kernels.
+    breakdown = (
+        {
+            f"batch{n}": measure_decode_breakdown(
+                engine, _prompts(rng, vocab, [b1_len] * n), num_steps, f"breakdown{n}"
+            )
+            for n in (1, batches[0])
+        }
+        if device.type == "cpu"
+        else {}
+    )
     n_prefix, prompt_len = (5, 128) if quick else (17, 512)
     shared = _prompts(rng, vocab, [int(prompt_len * 0.9)])[0]
     tails = _prompts(rng, vocab, [prompt_len - len(shared)] * n_prefix)
@@ -211,7 +236,10 @@ def _bench_shape(name: str, path: str, args: argparse.Namespace) -> dict[str, ob
     ttft_off = _prefix_ttft(path, cfg, prefix_prompts, on=False)
     ttft_on = _prefix_ttft(path, cfg, prefix_prompts, on=True)
 
-    print(f"model: {name} ({path})  dtype: {args.dtype}  quantization: {args.quantization}")
+    print(
+        f"model: {name} ({path})  dtype: {args.dtype}  quantization: {args.quantization}"
+        f"  device: {device}"
+    )
     print(
         f"{'case':<18}{'requests':>9}{'out tok':>9}{'pdserve tok/s':>15}"
         f"{'transformers tok/s':>20}{'ratio':>8}"
@@ -233,6 +261,7 @@ def _bench_shape(name: str, path: str, args: argparse.Namespace) -> dict[str, ob
     print()
     return {
         "model": path,
+        "device": str(device),
         "num_parameters": sum(p.numel() for p in hf.parameters()),
         "cases": [asdict(r) for r in results],
         "ratio_vs_transformers": {r.case: r.ratio_vs_transformers for r in results},

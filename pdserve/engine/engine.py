@@ -26,9 +26,11 @@ import torch
 from pdserve.clock import Clock, MonotonicClock
 from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager, prefix_block_hashes
+from pdserve.engine.decode_graphs import DecodeGraphs
 from pdserve.engine.grammar import GrammarCompiler
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.kv_events import KVEventLog
+from pdserve.engine.kv_staging import KVStaging
 from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestStatus
@@ -37,6 +39,7 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.step_stats import StepFacts, StepTotals, count_tokens, is_decode_slice
 from pdserve.errors import ConfigError, PromptTooLong, RequestNotFound, SamplingParamsError
 from pdserve.model.loader import LoadedModel, load_model
+from pdserve.model.triton_attention import triton_available
 
 logger = logging.getLogger(__name__)
 
@@ -123,12 +126,14 @@ class Engine:
             mc.head_dim,
             model.dtype,
             shared=config.shared_kv,
+            device=model.device,
+            staged=config.kv_host_staging,
         )
+        self.staging = KVStaging(self.kv_cache)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching, kv_events
         )
         self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(model.module, self.kv_cache, config.batch_invariant)
         self._eos = frozenset(model.eos_token_ids)
         limit = model.config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > limit:
@@ -137,11 +142,31 @@ class Engine:
                 f"max_position_embeddings {limit}"
             )
         self.max_model_len = config.max_model_len or limit
+        self.runner = ModelRunner(
+            model.module, self.kv_cache, config.batch_invariant, self._decode_graphs()
+        )
         # Structured output; the grammar library is loaded on the first request that asks.
         self.grammars = GrammarCompiler(
             model.tokenizer.to_json, model.config.vocab_size, model.eos_token_ids
         )
         self.step_totals = StepTotals()
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs of decode steps on a GPU (`decode_graphs`), captured now; None on the
+        CPU, when turned off, in batch-invariant mode or without the Triton kernel."""
+        config = self.config
+        if (
+            self.kv_cache.device.type != "cuda"
+            or not config.cuda_graphs
+            or config.batch_invariant
+            or not triton_available()
+        ):
+            return None
+        graphs = DecodeGraphs(
+            self.model.module, self.kv_cache, self.max_model_len, config.max_num_seqs
+        )
+        graphs.capture_all()
+        return graphs
 
     @classmethod
     def from_config(
@@ -150,7 +175,11 @@ class Engine:
         """Load the configured model (the embedded default when no path) and build an engine."""
         m = config.model
         model = load_model(
-            m.path, dtype=m.dtype, quantization=m.quantization, kv_block_size=config.block_size
+            m.path,
+            dtype=m.dtype,
+            quantization=m.quantization,
+            kv_block_size=config.block_size,
+            device=m.device,
         )
         return cls(model, config, clock, kv_events)
 
@@ -235,8 +264,14 @@ class Engine:
         return self.scheduler.add_remote(request)
 
     def kv_block_views(self, request_id: str) -> list[memoryview]:
-        """The request's KV blocks as writable byte views, one per block (no copy)."""
-        return self.kv_cache.block_views(self.block_manager.block_ids(request_id))
+        """The request's KV blocks as writable byte views, one per block (no copy): to write
+        while it waits for remote KV, else to read (`KVStaging` copies a staged cache's)."""
+        request = self.get_request(request_id)
+        ids = list(self.block_manager.block_ids(request_id))
+        if request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
+            skip = request.num_cached_tokens // self.config.block_size
+            return self.staging.write_views(request_id, ids, skip)
+        return self.staging.read_views(ids)
 
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table."""
@@ -259,6 +294,7 @@ class Engine:
         request = self.get_request(request_id)
         if request.grammar is not None:
             request.grammar.accept(first_token_id)
+        self.staging.landed(request_id)
         self.scheduler.mark_remote_kv_ready(request_id, first_token_id)
         request.first_token_ns = self.clock.now_ns()
 
@@ -283,6 +319,7 @@ class Engine:
         cached KV by a one-token forward (the KV canary, `engine/canary.py`)."""
         request = self.get_request(request_id)
         position = request.num_prompt_tokens - 1
+        self.staging.landed(request_id)
         table = self.block_manager.block_ids(request_id)
         token = request.prompt_token_ids[position]
         return position, self.runner.position_logits(list(table), token, position)
@@ -299,7 +336,7 @@ class Engine:
     def copy_block_ids(self, block_ids: list[int]) -> list[bytes]:
         """Copies of these blocks' KV (a block held by a request or cached: full blocks never
         change, so a copy taken between steps is consistent)."""
-        return [bytes(v) for v in self.kv_cache.block_views(block_ids)]
+        return [bytes(v) for v in self.staging.read_views(block_ids)]
 
     def position_logits(self, block_ids: list[int], token_id: int, position: int) -> torch.Tensor:
         """Logits of `token_id` at `position` over the KV of `block_ids` (a checkpoint's
@@ -325,18 +362,26 @@ class Engine:
         bm = self.block_manager
         if not bm.allocate_slots(import_id, num_blocks * self.config.block_size):
             return None
-        return self.kv_cache.block_views(bm.block_ids(import_id))
+        return self.staging.write_views(import_id, list(bm.block_ids(import_id)))
+
+    def import_landed(self, import_id: str) -> None:
+        """The import's bytes are complete and checksummed: make them visible to the model
+        (a staged cache copies them to the device; otherwise nothing to do)."""
+        self.staging.landed(import_id)
 
     def import_end(self, import_id: str, token_ids: list[int] | None) -> None:
         """Free the import's blocks; with the `token_ids` they hold (verified), register them
         in the prefix cache first, so the next request with that prefix reuses them."""
         bm = self.block_manager
         if token_ids is not None:
+            self.staging.landed(import_id)
             bm.cache_blocks(import_id, token_ids, len(token_ids))
+        self.staging.forget(import_id)
         bm.free(import_id)
 
     def abort(self, request_id: str) -> None:
         """Stop the request and free every block it holds."""
+        self.staging.forget(request_id)
         self.scheduler.abort(request_id)
 
     def release(self, request_id: str) -> int:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.engine.decode_graphs import DecodeGraphs
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.logits_processing import LogitsContext
 from pdserve.engine.logprobs import TokenLogprobs, token_logprobs
@@ -43,6 +44,18 @@ class StepResult:
     failed: dict[str, BaseException] = field(default_factory=dict)
 
 
+def _plain_greedy(request: Request) -> bool:
+    """Greedy on the raw logits with no logprobs: the argmax can be taken on the device, for
+    the whole batch at once."""
+    p = request.sampling_params
+    if p.temperature != 0.0 or p.logprobs is not None or request.grammar is not None:
+        return False
+    context = LogitsContext(
+        p, request.prompt_token_ids, request.output_token_ids, request.stop_token_ids, None
+    )
+    return not context.changes_logits
+
+
 def _row(request: Request) -> SamplingRow:
     p = request.sampling_params
     context = LogitsContext(
@@ -66,10 +79,19 @@ def _row(request: Request) -> SamplingRow:
 class ModelRunner:
     """Runs the model for one scheduled step."""
 
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, batch_invariant: bool = False) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_cache: KVCache,
+        batch_invariant: bool = False,
+        graphs: DecodeGraphs | None = None,
+    ) -> None:
+        """`graphs`: decode-only steps that fit run through it (CUDA graphs on a GPU)."""
         self.model = model
         self.kv_cache = kv_cache
         self.batch_invariant = batch_invariant
+        self.device = kv_cache.device
+        self.graphs = graphs
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepResult:
@@ -100,19 +122,40 @@ class ModelRunner:
             if s.samples:
                 sampling.append((request, len(logit_idx)))
                 logit_idx.append(len(input_ids) - 1)
-        meta = build_metadata(sequences, self.kv_cache.block_size, self.batch_invariant)
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long),  # [T]
-            torch.tensor(positions, dtype=torch.long),  # [T]
-            self.kv_cache.tensor,
-            meta,
-        )
+        dev = self.device
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and len(input_ids) == len(sequences)  # one new token each: decode only
+            and graphs.fits(len(sequences), max(positions) + 1)
+        ):
+            hidden = graphs.run(input_ids, positions, [table for table, _, _ in sequences])
+        else:
+            meta = build_metadata(sequences, self.kv_cache.block_size, self.batch_invariant, dev)
+            hidden = self.model(
+                torch.tensor(input_ids, dtype=torch.long, device=dev),  # [T]
+                torch.tensor(positions, dtype=torch.long, device=dev),  # [T]
+                self.kv_cache.tensor,
+                meta,
+            )
         result = StepResult()
         if not logit_idx:
             return result
         logits = self.model.compute_logits(
-            hidden[torch.tensor(logit_idx)], self.batch_invariant
+            hidden[torch.tensor(logit_idx, device=dev)], self.batch_invariant
         )  # [N, vocab]
+        # Plain greedy rows: one argmax for all of them, and (on a GPU) one read of the ids.
+        greedy = [(request, row) for request, row in sampling if _plain_greedy(request)]
+        if greedy:
+            rows = torch.tensor([row for _, row in greedy], device=dev)
+            ids = logits.index_select(0, rows).argmax(dim=-1).tolist()
+            for (request, _), token in zip(greedy, ids, strict=True):
+                result.sampled[request.request_id] = SampledToken(int(token))
+            sampling = [(r, row) for r, row in sampling if r.request_id not in result.sampled]
+        if not sampling and not prompt_rows:
+            return result
+        # Everything else is per row on the host (one copy of the step's logits off a GPU).
+        logits = logits.cpu()
         for request, first, count, row in prompt_rows:
             num_top = request.sampling_params.prompt_logprobs or 0
             try:
@@ -150,10 +193,11 @@ class ModelRunner:
         scratch = self.kv_cache.scratch_block_id
         cache[scratch].copy_(cache[block_table[index]])
         table = [*block_table[:index], scratch]
-        meta = build_metadata([(table, position, position + 1)], bs, self.batch_invariant)
+        dev = self.device
+        meta = build_metadata([(table, position, position + 1)], bs, self.batch_invariant, dev)
         hidden = self.model(
-            torch.tensor([token_id], dtype=torch.long),  # [1]
-            torch.tensor([position], dtype=torch.long),  # [1]
+            torch.tensor([token_id], dtype=torch.long, device=dev),  # [1]
+            torch.tensor([position], dtype=torch.long, device=dev),  # [1]
             cache,
             meta,
         )

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from pdserve.model.batch_invariant import InvariantPlan, build_plan
 from pdserve.model.batch_invariant import attention as invariant_attention
+from pdserve.model.triton_attention import paged_decode_attention, triton_available
 
 KV_LAYOUT_VERSION = 1
 
@@ -52,6 +53,8 @@ class DecodeGroup:
     block_tables: torch.Tensor
     # [Bd, 1, 1, S] bool hiding the padding of shorter sequences; None without padding.
     mask: torch.Tensor | None
+    # [Bd] int32 tokens each sequence attends to (what a kernel reading the table needs).
+    context_lens: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -116,8 +119,14 @@ def paged_attention(
         )
         out[span.query_start : span.query_start + span.query_len] = o[0].transpose(0, 1)
     for group in meta.decode_groups:
-        k, v = _gather(kv_cache, layer, group.block_tables)  # [Bd, S, KVH, D]
         qd = q[group.token_indices]  # [Bd, H, D]
+        if kv_cache.is_cuda and group.context_lens is not None and triton_available():
+            # Reads K/V through the block table in place: no gather (`triton_attention`).
+            out[group.token_indices] = paged_decode_attention(
+                qd, kv_cache, layer, group.block_tables.int(), group.context_lens, scale
+            )
+            continue
+        k, v = _gather(kv_cache, layer, group.block_tables)  # [Bd, S, KVH, D]
         bd, num_heads, head_dim = qd.shape
         kvh = k.shape[2]
         # One query token per sequence: the query heads that share a KV head (h // (H / KVH),
@@ -136,14 +145,58 @@ def paged_attention(
 
 
 def build_metadata(
-    sequences: list[tuple[list[int], int, int]], block_size: int, batch_invariant: bool = False
+    sequences: list[tuple[list[int], int, int]],
+    block_size: int,
+    batch_invariant: bool = False,
+    device: torch.device | None = None,
 ) -> AttentionMetadata:
     """Metadata for a flattened batch of (block_table, start, end) sequences, in batch order.
 
     Sequence i contributes the tokens at positions start..end-1 (its KV for 0..start-1 is already
     cached); a sequence with one new token takes the batched decode path. `batch_invariant`
-    plans attention per query on canonical shapes (`batch_invariant.build_plan`).
+    plans attention per query on canonical shapes (`batch_invariant.build_plan`). `device`: where
+    the tensors go (built on the CPU, then copied once).
     """
+    meta = _build_metadata(sequences, block_size, batch_invariant)
+    if device is None or device.type == "cpu":
+        return meta
+    if meta.invariant is not None:
+        raise ValueError("batch-invariant attention runs on the CPU only")
+    return _to_device(meta, device)
+
+
+def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
+    def move(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device, non_blocking=True)
+
+    return AttentionMetadata(
+        slot_block=meta.slot_block.to(device, non_blocking=True),
+        slot_offset=meta.slot_offset.to(device, non_blocking=True),
+        prefills=[
+            PrefillSpan(
+                p.query_start,
+                p.query_len,
+                p.context_len,
+                p.block_table.to(device, non_blocking=True),
+                move(p.mask),
+            )
+            for p in meta.prefills
+        ],
+        decode_groups=[
+            DecodeGroup(
+                g.token_indices.to(device, non_blocking=True),
+                g.block_tables.to(device, non_blocking=True),
+                move(g.mask),
+                move(g.context_lens),
+            )
+            for g in meta.decode_groups
+        ],
+    )
+
+
+def _build_metadata(
+    sequences: list[tuple[list[int], int, int]], block_size: int, batch_invariant: bool
+) -> AttentionMetadata:
     slot_block: list[int] = []
     slot_offset: list[int] = []
     prefills: list[PrefillSpan] = []
@@ -223,6 +276,7 @@ def _decode_group(
         token_indices=torch.tensor(token_indices, dtype=torch.long),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long),
         mask=mask,
+        context_lens=lens_t.to(torch.int32),
     )
 
 

@@ -50,6 +50,10 @@ class Fingerprint:
     quantization: str
     kv_block_size: int
     kv_layout_version: int = KV_LAYOUT_VERSION
+    # "cpu" or "cuda": the same weights compute different bits on each (other kernels, other
+    # reduction orders), so KV never crosses device kinds. Left out of the wire form and the
+    # digest when "cpu", the only kind older builds ran, so their fingerprints still match.
+    device: str = "cpu"
 
     @classmethod
     def build(
@@ -60,6 +64,7 @@ class Fingerprint:
         dtype: str,
         quantization: str | None,
         kv_block_size: int,
+        device: str = "cpu",
     ) -> Fingerprint:
         """The fingerprint of an engine running `config` with these settings."""
         return cls(
@@ -79,10 +84,17 @@ class Fingerprint:
             dtype=dtype,
             quantization=quantization or "none",
             kv_block_size=kv_block_size,
+            device=device,
         )
 
+    def _fields(self) -> dict[str, Any]:
+        data = asdict(self)
+        if data["device"] == "cpu":
+            del data["device"]
+        return data
+
     def _canonical(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        return json.dumps(self._fields(), sort_keys=True, separators=(",", ":"))
 
     @property
     def digest(self) -> str:
@@ -106,7 +118,7 @@ class Fingerprint:
 
     def to_dict(self) -> dict[str, Any]:
         """Wire form: every field plus `digest`, JSON-serializable."""
-        data: dict[str, Any] = asdict(self)
+        data = self._fields()
         data["digest"] = self.digest
         return data
 
@@ -120,6 +132,9 @@ class Fingerprint:
             raise ConfigError(f"fingerprint: unknown fields {sorted(unknown)}")
         values: dict[str, Any] = {}
         for name, type_name in names.items():
+            if name == "device" and name not in data:
+                values[name] = "cpu"  # an older build's, or a CPU engine's, wire form
+                continue
             if name not in data:
                 raise ConfigError(f"fingerprint: field {name!r} missing")
             value: Any = data[name]

@@ -12,15 +12,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from pdserve.config import QUANTIZATIONS
 from pdserve.errors import ConfigError, ModelConfigError
 from pdserve.model.config import ModelConfig, load_config
+from pdserve.model.device import resolve_device
 from pdserve.model.fingerprint import Fingerprint
 from pdserve.model.llama import LlamaModel
 from pdserve.model.quant import quantize_linears
 from pdserve.model.tiny import default_model_path
 from pdserve.model.tokenizer import TOKENIZER_FILE, Tokenizer
 from pdserve.model.weights import TORCH_DTYPES, load_weights
+
+CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +42,8 @@ class LoadedModel:
     path: Path
     dtype: str
     quantization: str | None
+    # Where the weights live; the engine puts its KV cache and every per-step tensor there.
+    device: torch.device = CPU
 
 
 def load_model(
@@ -44,12 +51,14 @@ def load_model(
     dtype: str = "float32",
     quantization: str | None = None,
     kv_block_size: int = 16,
+    device: str = "cpu",
 ) -> LoadedModel:
     """Load the HF folder at `path` (None: the embedded tiny default) for serving.
 
     dtype: "float32" or "bfloat16" (weights are cast on load; activations and KV use it).
     quantization: None or "int8" (weight-only, per output channel, linear layers only).
     kv_block_size: tokens per KV block, recorded in the fingerprint.
+    device: "auto", "cpu" or "cuda" (`model.device.resolve_device`); checked before any load.
     """
     if dtype not in TORCH_DTYPES:
         raise ConfigError(f"dtype: {dtype!r} is not one of {', '.join(TORCH_DTYPES)}")
@@ -57,6 +66,7 @@ def load_model(
         raise ConfigError(f"quantization: {quantization!r} is not one of None, 'int8'")
     if isinstance(kv_block_size, bool) or not isinstance(kv_block_size, int) or kv_block_size < 1:
         raise ConfigError(f"kv_block_size: must be a positive integer, got {kv_block_size!r}")
+    where = resolve_device(device, dtype)
     folder = Path(path) if path is not None else default_model_path()
     config = load_config(folder)
     tokenizer = Tokenizer(folder)
@@ -70,6 +80,8 @@ def load_model(
     module = LlamaModel.from_hf_weights(config, weights.tensors)
     if quantization == "int8":
         quantize_linears(module)
+    if where.type != "cpu":
+        module = module.to(where)
     fingerprint = Fingerprint.build(
         config,
         weights_digest=weights.digest,
@@ -77,6 +89,7 @@ def load_model(
         dtype=dtype,
         quantization=quantization,
         kv_block_size=kv_block_size,
+        device=where.type,
     )
     eos = tuple(dict.fromkeys(config.eos_token_ids + tokenizer.eos_token_ids))
     return LoadedModel(
@@ -88,4 +101,5 @@ def load_model(
         path=folder,
         dtype=dtype,
         quantization=quantization,
+        device=where,
     )

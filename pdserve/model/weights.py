@@ -28,7 +28,7 @@ from pdserve.model.config import ModelConfig
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True, slots=True)

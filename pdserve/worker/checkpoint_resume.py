@@ -334,6 +334,7 @@ class CheckpointPuller:
         position, token, dtype = len(prefix) - 1, prefix[-1], self._info.dtype
 
         def check(engine: Engine) -> CanaryMatch:
+            engine.import_landed(import_id)
             logits = engine.position_logits(engine.block_ids(import_id), token, position)
             return compare(want, logits, position, dtype).match
 

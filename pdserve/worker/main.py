@@ -188,6 +188,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         path=args.model,
         dtype=args.dtype,
         quantization=None if args.quantization == "none" else args.quantization,
+        device=args.device,
     )
     engine = EngineConfig(
         block_size=args.block_size,
@@ -198,6 +199,8 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         batch_invariant=args.batch_invariant,
+        cuda_graphs=args.cuda_graphs,
+        kv_host_staging=args.kv_host_staging,
         # A worker that sends handoffs keeps its KV where a same-host receiver can read it
         # (one copy over shared memory instead of two); see `transfer/arena.py`.
         shared_kv=args.role in ("prefill", "both") and args.kv_transport in ("auto", "shm"),

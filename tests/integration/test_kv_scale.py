@@ -65,12 +65,16 @@ def reference(kv_heavy_model_path: Path) -> list[list[int]]:
 
 
 def cluster(
-    model: Path, workdir: Path, prefill_transport: str, decode_transport: str
+    model: Path,
+    workdir: Path,
+    prefill_transport: str,
+    decode_transport: str,
+    worker_args: tuple[str, ...] = (),
 ) -> Iterator[tuple[list[WorkerHandle], str]]:
     with worker_processes() as handles:
         for role, transport in (("prefill", prefill_transport), ("decode", decode_transport)):
             extra = ["--kv-transport", transport, "--kv-frame-bytes", FRAME]
-            extra += ["--kv-cache-bytes", KV_CACHE]
+            extra += ["--kv-cache-bytes", KV_CACHE, *worker_args]
             handles.append(launch_worker(role, workdir, model=model, extra_args=extra))
         for handle in handles:
             wait_ready(handle)
@@ -95,7 +99,33 @@ def test_disaggregated_text_equals_offline_over_each_transport(
     reference: list[list[int]],
     tmp_path: Path,
 ) -> None:
-    for (prefill, decode), url in cluster(kv_heavy_model_path, tmp_path, transport, transport):
+    check_cluster(kv_heavy_model_path, reference, tmp_path, transport)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_kv_staged_through_a_host_mirror_as_on_a_gpu_equals_offline(
+    transport: str,
+    kv_heavy_model_path: Path,
+    reference: list[list[int]],
+    tmp_path: Path,
+) -> None:
+    """Both workers compute in one tensor and hand off through a host mirror of it (what a
+    GPU worker does, `--kv-host-staging` on the CPU): same text, same metrics."""
+    staging = ("--kv-host-staging",)
+    check_cluster(kv_heavy_model_path, reference, tmp_path, transport, staging)
+
+
+def check_cluster(
+    kv_heavy_model_path: Path,
+    reference: list[list[int]],
+    tmp_path: Path,
+    transport: str,
+    worker_args: tuple[str, ...] = (),
+) -> None:
+    """Disaggregated greedy text equals offline, with the transport's metrics as asked."""
+    for (prefill, decode), url in cluster(
+        kv_heavy_model_path, tmp_path, transport, transport, worker_args
+    ):
         model = kv_heavy_model_path.name
         for prompt, want in zip(prompts(3, PROMPT_LEN, 1), reference, strict=True):
             body = {"model": model, "prompt": prompt, **GREEDY, "return_token_ids": True}
