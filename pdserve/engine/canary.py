@@ -66,7 +66,7 @@ class ValueDigest:
     @classmethod
     def of_logits(cls, logits: torch.Tensor, position: int, k: int = TOP_K) -> ValueDigest:
         """The digest of one logits row ([vocab], any float dtype; compared as float32)."""
-        row = logits.detach().float().contiguous().view(-1)
+        row = logits.detach().float().contiguous().view(-1).cpu()
         values, ids = torch.topk(row, min(k, row.numel()))
         return cls(
             position,
@@ -116,7 +116,7 @@ def compare(
             CanaryMatch.MISMATCH,
             f"digest is for position {expected.position}, recomputed {position}",
         )
-    row = logits.detach().float().contiguous().view(-1)
+    row = logits.detach().float().contiguous().view(-1).cpu()
     if xxhash.xxh3_64_intdigest(row.numpy().tobytes()) == expected.logits_hash:
         return CanaryVerdict(CanaryMatch.EXACT)
     rtol, atol = TOLERANCES.get(dtype, TOLERANCES["bfloat16"])

@@ -107,6 +107,8 @@ class Engine:
                 f"block_size: engine uses {config.block_size}, the model was loaded for "
                 f"{model.fingerprint.kv_block_size}"
             )
+        if config.batch_invariant and model.device.type != "cpu":
+            raise ConfigError(f"batch_invariant: runs on the CPU only, not on {model.device}")
         self.model = model
         self.config = config
         self.clock = clock or MonotonicClock()
