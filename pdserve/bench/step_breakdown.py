@@ -8,7 +8,8 @@ timers patched around the functions each part runs in, and removes them after:
     attention    paged_attention minus its gathers (the SDPA calls and scatter of outputs)
     gathers      _gather: index_select of the K/V blocks each sequence reads
     logits       LlamaModel.compute_logits (final norm and the vocabulary projection)
-    sampler      sample_row per sampling request (and logprobs, when asked)
+    sampler      the batched argmax of plain greedy rows, sample_row per other sampling
+                 request (and logprobs, when asked)
     python       the rest of Engine.step: scheduling, metadata, input tensors, bookkeeping
 
 The timers cost a few perf_counter calls per layer; the throughput figures are measured without
@@ -53,6 +54,7 @@ def _patched(timers: _Timers) -> Iterator[None]:
         (llama.LlamaModel, "compute_logits", "logits"),
         (llama, "paged_attention", "attention"),
         (attention, "_gather", "gathers"),
+        (model_runner, "greedy_tokens", "sampler"),
         (model_runner, "sample_row", "sampler"),
         (model_runner, "token_logprobs", "sampler"),
     ]

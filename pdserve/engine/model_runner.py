@@ -19,7 +19,7 @@ from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.logits_processing import LogitsContext
 from pdserve.engine.logprobs import TokenLogprobs, token_logprobs
 from pdserve.engine.request import Request
-from pdserve.engine.sampler import SamplingRow, sample_row
+from pdserve.engine.sampler import SamplingRow, greedy_tokens, sample_row
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.model.attention import build_metadata
 from pdserve.model.llama import LlamaModel
@@ -147,10 +147,9 @@ class ModelRunner:
         # Plain greedy rows: one argmax for all of them, and (on a GPU) one read of the ids.
         greedy = [(request, row) for request, row in sampling if _plain_greedy(request)]
         if greedy:
-            rows = torch.tensor([row for _, row in greedy], device=dev)
-            ids = logits.index_select(0, rows).argmax(dim=-1).tolist()
+            ids = greedy_tokens(logits, [row for _, row in greedy])
             for (request, _), token in zip(greedy, ids, strict=True):
-                result.sampled[request.request_id] = SampledToken(int(token))
+                result.sampled[request.request_id] = SampledToken(token)
             sampling = [(r, row) for r, row in sampling if r.request_id not in result.sampled]
         if not sampling and not prompt_rows:
             return result

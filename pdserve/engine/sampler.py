@@ -85,6 +85,13 @@ def sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
     return int(torch.argmax(probs / noise).item())
 
 
+def greedy_tokens(logits: torch.Tensor, rows: list[int]) -> list[int]:
+    """The argmax token of each of these rows of `logits` ([N, vocab], on any device): one
+    batched argmax and one read of the ids, for rows that are greedy on their raw logits."""
+    index = torch.tensor(rows, device=logits.device)
+    return [int(t) for t in logits.index_select(0, index).argmax(dim=-1).tolist()]
+
+
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     """One token id per row of `logits` ([N, vocab], float32)."""
     if logits.shape[0] != len(rows):

@@ -9,6 +9,8 @@ sockets, its timers and its half-sent frames. Three cases from issue 14:
   transfer is refused (invariant 7, no write after the lease);
 - two prefill workers paused in turn in front of one decode worker with 2 MiB KV blocks: every
   answer equals the fault-free text (before: 2 of 7 runs served a wrong answer with 200).
+The last two run over TCP and over shared memory, where the sender names its KV by reference
+and the receiver copies it (the single copy): there a fenced receiver is what must stop.
 Every process is stopped by PID, and resumed before that whatever the test did.
 """
 
@@ -171,12 +173,15 @@ def signed_post(url: str, body: object, timeout: float = 120) -> tuple[int, byte
         return exc.code, exc.read()
 
 
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_a_sender_paused_mid_chunk_past_the_ttl_never_writes_into_reused_blocks(
-    tiny_model_path: Path, tmp_path: Path
+    transport: str, tiny_model_path: Path, tmp_path: Path
 ) -> None:
     """Driven over the workers' API, so the two leases can differ: the decode side's lapses
     after 1 s while the prefill side still holds its KV (30 s), so the resumed sender really
-    sends its stale bytes, and only the receiver's fence stands in their way."""
+    sends its stale bytes, and only the receiver's fence stands in their way. Over shared
+    memory the sender names its own KV by reference (the single copy) and the receiver copies:
+    a fenced receiver must copy nothing more."""
     prompt = prompts(1, 150, 2)[0]  # 10 blocks of 64 KiB: one 640 KiB chunk
     other = prompts(1, 150, 5)[0]  # the request that gets the freed blocks
     # Seeded sampling: every token depends on the whole distribution, so KV changed under a
@@ -189,11 +194,12 @@ def test_a_sender_paused_mid_chunk_past_the_ttl_never_writes_into_reused_blocks(
         # Begin) for 2.5 s, during which the test also SIGSTOPs it: a real pause, mid-frame.
         # Its own chunk deadline is long, so when it wakes it does send the rest.
         fault = "transfer.send:delay:after=2,times=1,delay_s=2.5,offset=100000"
-        extra = ["--fault", fault, "--kv-transport", "tcp", "--transfer-chunk-timeout-s", "10"]
+        extra = ["--fault", fault, "--kv-transport", transport]
+        extra += ["--transfer-chunk-timeout-s", "10"]
         handles.append(launch_worker("prefill", tmp_path, model=tiny_model_path, extra_args=extra))
         handles.append(
             launch_worker(
-                "both", tmp_path, model=tiny_model_path, extra_args=["--kv-transport", "tcp"]
+                "both", tmp_path, model=tiny_model_path, extra_args=["--kv-transport", transport]
             )
         )
         for handle in handles:
@@ -240,12 +246,13 @@ def test_a_sender_paused_mid_chunk_past_the_ttl_never_writes_into_reused_blocks(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_two_prefill_workers_paused_in_turn_never_serve_a_wrong_answer(
-    kv_heavy_model_path: Path, tmp_path: Path
+    transport: str, kv_heavy_model_path: Path, tmp_path: Path
 ) -> None:
     ps = prompts(4, 70, 3)  # 5 blocks of 2 MiB each
     work = list(zip(ps, references(kv_heavy_model_path, ps, 8), strict=True))
-    extra = ["--kv-cache-bytes", str(200 << 20), "--kv-transport", "tcp"]
+    extra = ["--kv-cache-bytes", str(200 << 20), "--kv-transport", transport]
     with worker_processes() as handles:
         for role in ("prefill", "prefill", "decode"):
             handles.append(
@@ -262,4 +269,8 @@ def test_two_prefill_workers_paused_in_turn_never_serve_a_wrong_answer(
             assert len(pauses) >= 4
             assert [s for s, _ in results] == [200] * len(results)
             assert all(right for _, right in results), "a wrong answer was served"
+            # The handoffs that went through really rode the transport under test.
+            name = "pdserve_worker_kv_transport_bytes_total"
+            moved = worker_metric(handles[2].url, name, transport=transport, direction="received")
+            assert moved > 0
             until_idle(handles)
