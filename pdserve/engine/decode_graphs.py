@@ -24,9 +24,11 @@ from typing import Any
 
 import torch
 
+from pdserve.config import EngineConfig
 from pdserve.engine.kv_cache import KVCache
 from pdserve.model.attention import AttentionMetadata, DecodeGroup
 from pdserve.model.llama import LlamaModel
+from pdserve.model.triton_attention import triton_available
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
@@ -140,3 +142,20 @@ class DecodeGraphs:
             self.input_ids[:size], self.positions[:size], self.kv_cache.tensor, meta
         )
         return out
+
+
+def capture_decode_graphs(
+    model: LlamaModel, kv_cache: KVCache, config: EngineConfig, max_model_len: int
+) -> DecodeGraphs | None:
+    """Decode graphs for an engine on a GPU, captured now; None on the CPU, when turned off
+    (`cuda_graphs`), in batch-invariant mode, or without the Triton kernel."""
+    if (
+        kv_cache.device.type != "cuda"
+        or not config.cuda_graphs
+        or config.batch_invariant
+        or not triton_available()
+    ):
+        return None
+    graphs = DecodeGraphs(model, kv_cache, max_model_len, config.max_num_seqs)
+    graphs.capture_all()
+    return graphs

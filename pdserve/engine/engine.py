@@ -9,7 +9,7 @@ Hooks for disaggregation, used by the worker and transfer layers (never by the s
 - `add_remote_request`: allocate blocks for a prompt whose KV will arrive from elsewhere; the
   request is not scheduled until `mark_remote_kv_ready`;
 - `kv_block_views`: the request's blocks as writable byte views of KV memory, one per block
-  (no copy);
+  (no copy; a cache on a GPU hands out views of its host mirror, `engine/kv_staging.py`);
 - `kv_events` (optional): the prefix cache's stored/evicted hashes, published for routers
   (`engine/kv_events.py`); `cached_block_hashes` is the snapshot a subscriber starts from.
 """
@@ -19,77 +19,28 @@ from __future__ import annotations
 import dataclasses
 import logging
 import secrets
-from dataclasses import dataclass, field
 
 import torch
 
 from pdserve.clock import Clock, MonotonicClock
 from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager, prefix_block_hashes
-from pdserve.engine.decode_graphs import DecodeGraphs
+from pdserve.engine.decode_graphs import capture_decode_graphs
 from pdserve.engine.grammar import GrammarCompiler
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.kv_staging import KVStaging
 from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.outputs import EngineStats, RequestDelta
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.step_stats import StepFacts, StepTotals, count_tokens, is_decode_slice
 from pdserve.errors import ConfigError, PromptTooLong, RequestNotFound, SamplingParamsError
 from pdserve.model.loader import LoadedModel, load_model
-from pdserve.model.triton_attention import triton_available
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class RequestDelta:
-    """What one step produced for one request."""
-
-    request_id: str
-    new_token_ids: tuple[int, ...]
-    finished: bool
-    # "stop", "length" or "abort" once finished.
-    finish_reason: str | None
-    # One per new token when the request asked for logprobs.
-    logprobs: tuple[TokenLogprobs, ...] = ()
-    # With the first token of a request that asked for prompt logprobs: prompt tokens 1...
-    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
-    # Prompt tokens served from the prefix cache when the request was admitted.
-    num_cached_tokens: int = 0
-    # The step that produced the token (None for deltas made outside a step: abort, errors).
-    step: StepFacts | None = None
-    # True when this request's share of that step was a decode slice (one token after an
-    # output token), so the token's wait measures decode time per output token.
-    decode: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """Block and queue counts, for health, load balancing and leak checks."""
-
-    num_blocks: int
-    num_free_blocks: int
-    num_cached_blocks: int
-    # Blocks held for another party (prefill results awaiting transfer, remote-KV allocations).
-    num_held_blocks: int
-    num_running: int
-    num_waiting: int
-    num_remote_waiting: int
-    prefix_cache_queries_tokens: int
-    prefix_cache_hit_tokens: int
-    # Totals since start (see `Scheduler`): tokens admitted for local prefill and those the
-    # prefix cache supplied; remote-KV blocks received verified, prompt tokens not sent
-    # because they were cached here; and the bytes of one KV block (all layers).
-    num_prefill_tokens_total: int = 0
-    num_prefill_cached_tokens_total: int = 0
-    num_remote_kv_blocks_total: int = 0
-    num_remote_cached_tokens_total: int = 0
-    kv_block_bytes: int = 0
-    # Steps run, per kind, with their seconds and the busy time of each phase.
-    steps: StepTotals = field(default_factory=StepTotals)
 
 
 class Engine:
@@ -144,31 +95,13 @@ class Engine:
                 f"max_position_embeddings {limit}"
             )
         self.max_model_len = config.max_model_len or limit
-        self.runner = ModelRunner(
-            model.module, self.kv_cache, config.batch_invariant, self._decode_graphs()
-        )
+        graphs = capture_decode_graphs(model.module, self.kv_cache, config, self.max_model_len)
+        self.runner = ModelRunner(model.module, self.kv_cache, config.batch_invariant, graphs)
         # Structured output; the grammar library is loaded on the first request that asks.
         self.grammars = GrammarCompiler(
             model.tokenizer.to_json, model.config.vocab_size, model.eos_token_ids
         )
         self.step_totals = StepTotals()
-
-    def _decode_graphs(self) -> DecodeGraphs | None:
-        """CUDA graphs of decode steps on a GPU (`decode_graphs`), captured now; None on the
-        CPU, when turned off, in batch-invariant mode or without the Triton kernel."""
-        config = self.config
-        if (
-            self.kv_cache.device.type != "cuda"
-            or not config.cuda_graphs
-            or config.batch_invariant
-            or not triton_available()
-        ):
-            return None
-        graphs = DecodeGraphs(
-            self.model.module, self.kv_cache, self.max_model_len, config.max_num_seqs
-        )
-        graphs.capture_all()
-        return graphs
 
     @classmethod
     def from_config(

@@ -39,7 +39,8 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from pdserve.auth.signing import CallVerifier
-from pdserve.engine.engine import Engine, RequestDelta
+from pdserve.engine.engine import Engine
+from pdserve.engine.outputs import RequestDelta
 from pdserve.errors import (
     ConfigError,
     DeadlineExceeded,

@@ -22,7 +22,8 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from pdserve.checkpoint.host_tier import HostTier
-from pdserve.engine.engine import Engine, RequestDelta
+from pdserve.engine.engine import Engine
+from pdserve.engine.outputs import RequestDelta
 from pdserve.errors import RequestNotFound
 from pdserve.observability import checkpoint_metric_names as cm
 from pdserve.observability.exposition import by_label, render_family

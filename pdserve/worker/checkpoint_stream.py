@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 from pdserve.checkpoint.policy import CheckpointPolicy
 from pdserve.engine.block_manager import hash_block_tokens
 from pdserve.engine.canary import ValueDigest
-from pdserve.engine.engine import Engine, RequestDelta
+from pdserve.engine.engine import Engine
+from pdserve.engine.outputs import RequestDelta
 from pdserve.errors import LinkUnsupported, PdserveError, RequestNotFound
 from pdserve.transfer.codec import MAX_DATA_BYTES
 from pdserve.transfer.messages import MAX_PUT_TOKENS, Put

@@ -31,7 +31,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
-from pdserve.engine.engine import Engine, EngineStats, RequestDelta
+from pdserve.engine.engine import Engine
+from pdserve.engine.outputs import EngineStats, RequestDelta
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import NoFreeBlocks, PromptTooLong, RequestNotFound
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from pdserve.engine.engine import EngineStats
+from pdserve.engine.outputs import EngineStats
 from pdserve.observability import metric_names as m
 from pdserve.observability.exposition import (
     BYTES_BUCKETS,

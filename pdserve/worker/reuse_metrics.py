@@ -17,7 +17,7 @@ It formats numbers; it does not know where they come from beyond `EngineStats`.
 
 from __future__ import annotations
 
-from pdserve.engine.engine import EngineStats
+from pdserve.engine.outputs import EngineStats
 from pdserve.observability import metric_names as m
 from pdserve.observability.exposition import render_family
 

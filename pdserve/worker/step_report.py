@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pdserve.engine.engine import RequestDelta
+from pdserve.engine.outputs import RequestDelta
 from pdserve.engine.step_stats import StepKind, StepTotals
 from pdserve.observability import metric_names as m
 from pdserve.observability.exposition import render_family

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from pdserve.engine.engine import RequestDelta
+from pdserve.engine.outputs import RequestDelta
 from pdserve.errors import DeadlineExceeded, PdserveError
 from pdserve.faults import FaultInjector, FaultSite, perform
 from pdserve.observability.timeline_log import EventRing

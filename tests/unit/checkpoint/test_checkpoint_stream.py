@@ -165,7 +165,7 @@ def test_a_failing_holder_stops_the_replica_counted_and_an_ended_request_is_not_
 
 
 def _delta(tokens: list[int]) -> Any:
-    from pdserve.engine.engine import RequestDelta
+    from pdserve.engine.outputs import RequestDelta
 
     return RequestDelta("r", tuple(tokens), False, None)
 

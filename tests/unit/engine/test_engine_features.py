@@ -14,7 +14,8 @@ import torch
 from openai_cases import SCHEMA
 
 from pdserve.config import EngineConfig, ModelLoadConfig
-from pdserve.engine.engine import Engine, RequestDelta
+from pdserve.engine.engine import Engine
+from pdserve.engine.outputs import RequestDelta
 from pdserve.engine.sampling_params import GrammarKind, GrammarSpec, SamplingParams
 from pdserve.errors import GrammarError
 from pdserve.model.loader import LoadedModel, load_model

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from pdserve.config import EngineConfig, ModelLoadConfig
-from pdserve.engine.engine import Engine, RequestDelta
+from pdserve.engine.engine import Engine
+from pdserve.engine.outputs import RequestDelta
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import GrammarError
 from pdserve.model.loader import LoadedModel, load_model

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from pdserve.engine.engine import EngineStats
+from pdserve.engine.outputs import EngineStats
 from pdserve.observability import metric_names as m
 from pdserve.observability.exposition import parse
 from pdserve.observability.request_stats import RequestStats

@@ -14,7 +14,8 @@ from typing import Any, TypeVar, cast
 import pytest
 
 from pdserve.config import EngineConfig, ModelLoadConfig
-from pdserve.engine.engine import Engine, RequestDelta
+from pdserve.engine.engine import Engine
+from pdserve.engine.outputs import RequestDelta
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import NoFreeBlocks, PromptTooLong
 from pdserve.model.loader import LoadedModel, load_model

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.engine.engine import RequestDelta
+from pdserve.engine.outputs import RequestDelta
 from pdserve.engine.step_stats import StepFacts, StepTotals
 from pdserve.observability.exposition import parse, total
 from pdserve.worker.step_report import render_steps, step_info, step_totals_model
