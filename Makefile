@@ -74,7 +74,10 @@ gpu-wheels:
 gpu-check:
 	@if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-index --no-deps \
 		--no-compile --target /tmp/site .whl/*.whl; fi
-	PYTHONPATH=/tmp/site:$(CURDIR) python3 -m pdserve bench gpu-check --device cuda \
+	# The CUDA tests first (they skip on a machine without a GPU), then the measured run.
+	PYTHONPATH=/tmp/site:$(CURDIR) python3 -m pytest -q -p no:cacheprovider -rs \
+		tests/unit/engine/test_cuda_engine.py tests/unit/model/test_triton_attention.py; \
+		PYTHONPATH=/tmp/site:$(CURDIR) python3 -m pdserve bench gpu-check --device cuda \
 		--json $(GPU_CHECK_JSON)
 
 .PHONY: install system-deps run test client-venvs gpu-wheels gpu-check

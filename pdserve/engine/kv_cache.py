@@ -115,30 +115,28 @@ class KVCache:
     def stage_out(self, block_ids: list[int]) -> None:
         """Copy these blocks from the device to the host mirror (no-op unless staged); returns
         once the bytes are there."""
-        if not self.staged or not block_ids:
-            return
-        index = self._index(block_ids)
-        if self.device.type == "cpu":
-            self.host.index_copy_(0, index, self.tensor.index_select(0, index))
-            return
-        # Block by block from device memory into the pinned mirror: DMA with no temporary.
-        for block_id in block_ids:
-            self.host[block_id].copy_(self.tensor[block_id], non_blocking=True)
-        torch.cuda.synchronize(self.device)
+        self._stage(block_ids, to_host=True)
 
     def stage_in(self, block_ids: list[int]) -> None:
         """Copy these blocks from the host mirror to the device (no-op unless staged); work
         queued on the device after this sees them."""
+        self._stage(block_ids, to_host=False)
+
+    def _stage(self, block_ids: list[int], to_host: bool) -> None:
         if not self.staged or not block_ids:
             return
         index = self._index(block_ids)
+        dst, src = (self.host, self.tensor) if to_host else (self.tensor, self.host)
         if self.device.type == "cpu":
-            self.tensor.index_copy_(0, index, self.host.index_select(0, index))
+            dst.index_copy_(0, index, src.index_select(0, index))
             return
-        # Asynchronous from pinned memory: the next step runs on the same stream, after these
-        # copies; the mirror's bytes stay put until the block's next hand-over, long after.
+        # Block by block between device memory and the pinned mirror: DMA with no temporary.
+        # Into the device, asynchronous: the next step runs on the same stream, after these
+        # copies, and a block's mirror is not rewritten before its next hand-over.
         for block_id in block_ids:
-            self.tensor[block_id].copy_(self.host[block_id], non_blocking=True)
+            dst[block_id].copy_(src[block_id], non_blocking=True)
+        if to_host:
+            torch.cuda.synchronize(self.device)
 
     def _index(self, block_ids: list[int]) -> torch.Tensor:
         for block_id in block_ids:
