@@ -49,6 +49,37 @@ def test_bad_flags_give_one_clear_line_and_status_2(tiny_model_path: Path) -> No
     assert r.returncode == 2 and "nope" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_device_flags_resolve_or_fail_naming_why(tiny_model_path: Path, tmp_path: Path) -> None:
+    """`--device cpu` runs; on a machine without a GPU an explicit cuda, and float16 anywhere
+    it is not served, fail at start with the field and the reason, no traceback; so does a
+    worker asked for cuda."""
+    import torch
+
+    cache = tiny_model_path.parent
+    r = pdserve(["generate", "Hi", "--max-tokens", "4", "--device", "cpu"], cache)
+    assert r.returncode == 0, r.stderr
+    if torch.cuda.is_available():
+        return
+    r = pdserve(["generate", "Hi", "--device", "cuda"], cache)
+    assert r.returncode == 2 and "device: cuda was asked for, but" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = pdserve(["generate", "Hi", "--dtype", "float16"], cache)
+    assert r.returncode == 2 and "dtype: 'float16' is not served on cpu" in r.stderr
+    r = pdserve(["generate", "Hi", "--device", "tpu"], cache)
+    assert r.returncode == 2 and "--device" in r.stderr
+    worker = subprocess.run(
+        [sys.executable, "-m", "pdserve", "worker", "--device", "cuda", "--insecure-no-auth"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PDSERVE_CACHE": str(cache)},
+        cwd=tmp_path,
+        check=False,
+    )
+    assert worker.returncode != 0 and "device: cuda was asked for" in worker.stderr
+    assert "Traceback" not in worker.stderr
+
+
 def test_bench_engine_quick_writes_ratios(tiny_model_path: Path, tmp_path: Path) -> None:
     out = tmp_path / "engine.json"
     r = pdserve(["bench", "engine", "--quick", "--json", str(out)], tiny_model_path.parent, 600)
