@@ -22,14 +22,20 @@ def model(tiny_model_path: Path) -> LoadedModel:
     return load_model(str(tiny_model_path))
 
 
-def engine(model: LoadedModel) -> Engine:
-    return Engine(model, EngineConfig(model=ModelLoadConfig(path=str(model.path)), num_blocks=64))
+def engine(model: LoadedModel, staged: bool = False) -> Engine:
+    config = EngineConfig(
+        model=ModelLoadConfig(path=str(model.path)), num_blocks=64, kv_host_staging=staged
+    )
+    return Engine(model, config)
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["in-place", "staged"])
 @pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.9, "seed": 5}])
 def test_imported_blocks_resume_with_only_the_tail_recomputed(
-    model: LoadedModel, sampling: dict[str, object]
+    model: LoadedModel, sampling: dict[str, object], staged: bool
 ) -> None:
+    """`staged`: both engines keep their KV apart from the transfer views (as on a GPU): the
+    checkpoint's copies are staged out, the import's blocks staged in when committed."""
     prompt = [(7 * i) % 1900 + 3 for i in range(40)]
     params = SamplingParams(max_tokens=60, ignore_eos=True, **sampling)  # type: ignore[arg-type]
     reference = engine(model)
@@ -37,7 +43,7 @@ def test_imported_blocks_resume_with_only_the_tail_recomputed(
     while reference.has_unfinished():
         reference.step()
     # The decoding worker, stopped after 30 tokens: copy its full blocks (the checkpoint).
-    source = engine(model)
+    source = engine(model, staged)
     request = source.add_request("r", prompt, params)
     while len(request.output_token_ids) < 30:
         source.step()
@@ -46,12 +52,13 @@ def test_imported_blocks_resume_with_only_the_tail_recomputed(
     num_blocks = (len(tokens) - 1) // BS  # 4: 64 of the 70 tokens
     copies = source.copy_blocks("r", 0, num_blocks)
     # The resuming worker: import them, commit them to its prefix cache, resume.
-    target = engine(model)
+    target = engine(model, staged)
     views = target.import_begin("r#checkpoint", num_blocks)
     assert views is not None and len(views) == num_blocks
     for view, data in zip(views, copies, strict=True):
         view[:] = data
     target.import_end("r#checkpoint", tokens[: num_blocks * BS])
+    assert target.staging.num_pending == 0
     assert target.num_cached_prefix_blocks(tokens) == num_blocks
     resumed = target.add_request("r.m1", prompt, params, output_token_ids=sent)
     while target.has_unfinished():
