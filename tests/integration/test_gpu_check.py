@@ -19,9 +19,11 @@ def test_the_gpu_check_runs_on_the_cpu_and_reports(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert report["passed"] is True
     assert report["environment"]["device"] == "cpu"
-    (parity,) = report["parity"]
-    assert parity["tokens_identical"] and parity["logits_within_tolerance"]
-    assert parity["max_abs_logit_diff"] < 1e-3
+    fp32, bf16 = report["parity"]
+    assert (fp32["dtype"], bf16["dtype"]) == ("float32", "bfloat16")
+    assert fp32["tokens_identical"] and fp32["logits_within_tolerance"]
+    assert fp32["max_abs_logit_diff"] < 1e-3
+    assert bf16["logits_within_tolerance"]
     ratios = report["engine_bench"]["ratio_vs_transformers"]
     assert set(ratios) == {"batch1", "batch8-mixed"} and all(r > 0 for r in ratios.values())
     disagg = report["disaggregated"]
