@@ -65,7 +65,9 @@ def test_a_staged_handoff_between_cuda_engines_decodes_like_colocated(
         colocated.step()
     prefill, decode = Engine(model, config), Engine(model, config)
     assert prefill.kv_cache.staged and prefill.kv_cache.host.is_pinned()
-    first = prefill.add_request("x", prompt, SamplingParams(max_tokens=1), hold_kv=True)
+    first = prefill.add_request(
+        "x", prompt, SamplingParams(max_tokens=1, temperature=0.0), hold_kv=True
+    )
     while prefill.has_unfinished():
         prefill.step()
     decode.add_remote_request("x", prompt, GREEDY)
