@@ -71,6 +71,13 @@ def _layout(router_url: str) -> tuple[int, int]:
     return int(auto["num_prefill"]), int(auto["num_decode"])
 
 
+def _last_evaluations(router_url: str, n: int = 12) -> list[object]:
+    """The policy's last evaluations, keeps included (what a failed assertion shows)."""
+    evaluations = _get(f"{router_url}/admin/auto")["evaluations"]
+    assert isinstance(evaluations, list)
+    return evaluations[-n:]
+
+
 def _changes(router_url: str) -> list[tuple[str, str, int]]:
     evaluations = _get(f"{router_url}/admin/auto")["evaluations"]
     assert isinstance(evaluations, list)
@@ -143,7 +150,7 @@ def test_the_layout_follows_the_load_and_every_request_matches_the_reference(
 
     asyncio.run(drive())
     assert layouts["light"] == (0, 2)
-    assert layouts["heavy"] == (1, 1), _changes(cluster)
+    assert layouts["heavy"] == (1, 1), _last_evaluations(cluster)
     assert layouts["after"] == (0, 2), _changes(cluster)
     changes = _changes(cluster)
     assert changes[0] == ("split", "interference", 1), changes
