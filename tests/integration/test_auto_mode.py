@@ -120,7 +120,7 @@ async def _wait_for(predicate: object, timeout_s: float) -> bool:
     return False
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_the_layout_follows_the_load_and_every_request_matches_the_reference(
     cluster: str, tiny_model_path: Path
 ) -> None:
@@ -136,7 +136,9 @@ def test_the_layout_follows_the_load_and_every_request_matches_the_reference(
 
             heavy = asyncio.Event()
             heavy_task = asyncio.create_task(load.run(session, LONG, 3.0, heavy))
-            split = await _wait_for(lambda: _layout(cluster) == (1, 1), 60.0)
+            # Usually seconds; in two of three full `make test` runs here no split came in
+            # 60 s (alone it passed every time): a longer window for a busier machine.
+            split = await _wait_for(lambda: _layout(cluster) == (1, 1), 100.0)
             layouts["heavy"] = await asyncio.to_thread(_layout, cluster)
             # A little longer split, so requests run in the split and cross the next change.
             await asyncio.sleep(1.5 if split else 0.0)
