@@ -128,7 +128,7 @@ class DecodeGraphs:
             ]
         group = DecodeGroup(
             token_indices=self.rows[:size],
-            block_tables=self.block_tables[:size].long(),
+            block_tables=self.block_tables[:size],
             mask=mask,
             context_lens=lens,
         )

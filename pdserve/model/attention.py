@@ -49,7 +49,8 @@ class DecodeGroup:
 
     # [Bd] positions in the flattened batch of this group's tokens.
     token_indices: torch.Tensor
-    # [Bd, max_blocks] block tables, padded with block 0.
+    # [Bd, max_blocks] int32 block tables, padded with block 0 (int32: what the CUDA kernel
+    # reads, and `index_select` takes it as well).
     block_tables: torch.Tensor
     # [Bd, 1, 1, S] bool hiding the padding of shorter sequences; None without padding.
     mask: torch.Tensor | None
@@ -123,7 +124,7 @@ def paged_attention(
         if kv_cache.is_cuda and group.context_lens is not None and triton_available():
             # Reads K/V through the block table in place: no gather (`triton_attention`).
             out[group.token_indices] = paged_decode_attention(
-                qd, kv_cache, layer, group.block_tables.int(), group.context_lens, scale
+                qd, kv_cache, layer, group.block_tables, group.context_lens, scale
             )
             continue
         k, v = _gather(kv_cache, layer, group.block_tables)  # [Bd, S, KVH, D]
@@ -274,7 +275,7 @@ def _decode_group(
         ]
     return DecodeGroup(
         token_indices=torch.tensor(token_indices, dtype=torch.long),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
         mask=mask,
         context_lens=lens_t.to(torch.int32),
     )
