@@ -7,8 +7,9 @@ produce the same number of tokens:
 - batch 32 (or each `--batch`): prompt lengths 32–256 and max_tokens 16–128 (seeded).
   transformers pads the batch and runs to the longest max_tokens; only the tokens each request
   asked for count as output;
-- on the CPU, the decode step's breakdown at batch 1 and the first batch size (`step_breakdown`: model, attention, gathers,
-  logits, sampler, Python), timed in a run of its own;
+- on the CPU, the decode step's breakdown at batch 1 and the first batch size
+  (`step_breakdown`: model, attention, gathers, logits, sampler, Python), timed in a run of
+  its own;
 - shared prefix: 90% of every prompt is shared; mean TTFT with prefix caching on and off.
 
 Fair by construction: both sides are warmed the same way, with a prompt of their own that is

@@ -35,7 +35,7 @@ from pdserve.bench.model_shapes import build_shape_checkpoint
 from pdserve.engine.canary import TOLERANCES
 from pdserve.errors import PdserveError
 from pdserve.launcher import Cluster, UpConfig
-from pdserve.model.attention import build_metadata
+from pdserve.model.attention import contiguous_metadata
 from pdserve.model.device import resolve_device
 from pdserve.model.loader import LoadedModel
 from pdserve.model.triton_attention import triton_available
@@ -68,15 +68,14 @@ def _environment(device: torch.device) -> dict[str, Any]:
 def _pdserve_logits(model: LoadedModel, ids: list[int]) -> torch.Tensor:
     """Logits [vocab] (float32, CPU) of the last position, one prefill over a fresh cache."""
     bs = model.fingerprint.kv_block_size
-    num_blocks = -(-len(ids) // bs)
+    meta, num_blocks = contiguous_metadata([len(ids)], [len(ids)], bs, model.device)
     c = model.config
     dtype = next(model.module.parameters()).dtype
     kv = torch.zeros(
-        (num_blocks + 1, c.num_layers, 2, bs, c.num_kv_heads, c.head_dim),
+        (num_blocks, c.num_layers, 2, bs, c.num_kv_heads, c.head_dim),
         dtype=dtype,
         device=model.device,
     )
-    meta = build_metadata([(list(range(num_blocks)), 0, len(ids))], bs, device=model.device)
     pos = torch.arange(len(ids), device=model.device)
     hidden = model.module(torch.tensor(ids, device=model.device), pos, kv, meta)
     return model.module.compute_logits(hidden[-1:])[0].float().cpu()

@@ -282,12 +282,15 @@ def _decode_group(
 
 
 def contiguous_metadata(
-    context_lens: list[int], query_lens: list[int], block_size: int
+    context_lens: list[int],
+    query_lens: list[int],
+    block_size: int,
+    device: torch.device | None = None,
 ) -> tuple[AttentionMetadata, int]:
     """Metadata for sequences laid out in consecutive blocks (sequence i after sequence i-1).
 
-    For tests and references that run the model without a block manager. Returns the metadata
-    and the number of blocks it uses.
+    For tests and references that run the model without a block manager (`device` as in
+    `build_metadata`). Returns the metadata and the number of blocks it uses.
     """
     sequences: list[tuple[list[int], int, int]] = []
     next_block = 0
@@ -295,4 +298,4 @@ def contiguous_metadata(
         nb = -(-ctx // block_size)
         sequences.append((list(range(next_block, next_block + nb)), ctx - qlen, ctx))
         next_block += nb
-    return build_metadata(sequences, block_size), next_block
+    return build_metadata(sequences, block_size, device=device), next_block

@@ -24,9 +24,9 @@ now belong to another request. Every transport lands bytes through this task (TC
 or a copy out of the receiver's own shm/NIXL inbox), so cancelling it stops every write.
 
 **Liveness.** Each chunk header and each landed piece of its data (at most
-`framing.PROGRESS_BYTES`) calls `on_progress` (the owner renews the reservation's lease there): a transfer that keeps
-moving bytes (at least a piece per lease TTL) keeps its reservation however long it takes; a
-silent one lets the lease lapse. A connection must send a valid Hello within
+`framing.PROGRESS_BYTES`) calls `on_progress` (the owner renews the reservation's lease
+there): a transfer that keeps moving bytes (at least a piece per lease TTL) keeps its
+reservation however long it takes; a silent one lets the lease lapse. A connection must send a valid Hello within
 `handshake_timeout_s`, then each frame header, body and data within `frame_timeout_s` (the
 cap on connections belongs to the server, `serve_tcp(max_connections=...)`).
 
