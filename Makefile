@@ -56,7 +56,7 @@ test: install system-deps client-venvs
 	$(PY) -m ruff format --check pdserve tests benchmarks
 	$(PY) -m mypy
 	# The outside-client tests must run here, not skip for want of their venvs.
-	PDSERVE_REQUIRE_CLIENTS=1 $(PY) -m pytest -q
+	PDSERVE_REQUIRE_CLIENTS=1 $(PY) -m pytest -q --durations=20
 
 # The GPU check (`pdserve bench gpu-check`: parity, engine speed at batch 1/32/128 and a
 # disaggregated run on one GPU, < 8 min on an H200), run with the machine's own CUDA torch and

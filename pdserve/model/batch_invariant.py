@@ -14,20 +14,23 @@ operation whose result depends on the batch shape runs on canonical shapes inste
   canonical length S(p) = p + 1 rounded up to `KEY_TILE`, keys after p masked. Queries with
   the same S share one SDPA call (q_len 1, batch = queries); each batch element is computed
   alone, so neither the other queries, nor chunking, nor how the KV got into the cache (prefill
-  here, decode steps, a KV transfer, a recompute after migration) changes its output.
+  here, decode steps, a KV transfer, a recompute after migration) changes its output. Those
+  calls run on one thread: how the kernel splits a batch across threads is not canonical.
 
 Everything else (embedding, RMSNorm, RoPE, SiLU, residuals, log-softmax) is row-wise with a
-fixed reduction length per row, which is already invariant. `tests/unit/model/
-test_batch_invariant.py` checks the property end to end: the same position's logits are
-bitwise equal across batch compositions, chunk sizes, prefix-cache hits and resumes.
+fixed reduction length per row, which is already invariant. `tests/unit/engine/
+test_engine_features.py` checks the property end to end (logprobs bitwise equal across batch
+compositions, chunk sizes, prefix-cache hits and resumes), `tests/unit/model/
+test_batch_invariant_ops.py` each operation on its own.
 
-Cost (tiny model, measured in that test file's benchmark note and `docs/architecture.md`):
-padding a 1-token decode step to 16 rows, and one SDPA call per distinct S in a step.
+Cost (`docs/architecture.md`): rows padded to a tile, one SDPA call per distinct S in a step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -136,6 +139,31 @@ def attention(
     q: torch.Tensor, kv_cache: torch.Tensor, layer: int, plan: InvariantPlan, scale: float
 ) -> torch.Tensor:
     """Attention of q ([T, H, D]) per query over its canonical key range (see module doc)."""
+    # One thread: with more, the CPU SDPA kernel's split of the work depends on the batch, and
+    # so do the last bits of each element (measured: torch 2.13 on an AVX2 CPU with 2 threads,
+    # element 0 of a batch of 64 differs from the same query alone by 6e-8; on one thread, never).
+    with _one_thread():
+        return _attention(q, kv_cache, layer, plan, scale)
+
+
+# torch's thread count is per process: engines on two threads of one process take turns.
+_THREADS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    with _THREADS_LOCK:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+
+
+def _attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, layer: int, plan: InvariantPlan, scale: float
+) -> torch.Tensor:
     out = torch.empty_like(q)
     _, _, _, bs, kvh, hd = kv_cache.shape
     for group in plan.groups:
