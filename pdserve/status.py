@@ -1,7 +1,7 @@
 """`pdserve status`: the router, its mode and breaker, and every worker, read live from /health.
 
 The router's /health gives the mode (configured and effective), the breaker and its view of
-each worker (healthy, in-flight calls); each worker's own /health adds role, pid, fingerprint,
+each worker (healthy, in-flight calls); each worker's own /health adds role, pid, device, fingerprint,
 blocks, requests and leases. When the cluster is a `pdserve up`, its state file adds every
 process it supervises (routers, workers, etcd) with its state and restarts. Workers are grouped by fingerprint digest: only workers of one
 group can exchange KV (DESIGN.md invariant 3), so a worker outside the router's compatible
@@ -54,6 +54,8 @@ class WorkerRow:
     group: str | None = None
     # The role the router gave this `both` worker (auto mode or /admin/mode), if any.
     assigned_role: str | None = None
+    # "cpu" or "cuda", from the worker's fingerprint (which names it only when not "cpu").
+    device: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +200,7 @@ def collect_status(router_url: str, timeout_s: float = 3.0) -> ClusterStatus:
                 h.num_waiting,
                 h.transfer_address,
                 num_active_leases=h.num_active_leases,
+                device=str(h.fingerprint.get("device", "cpu")),
                 **seen,
             )
         )
@@ -267,7 +270,7 @@ def render_table(status: ClusterStatus) -> str:
         f"breaker {_cell(status.breaker_state)}"
         + ("" if rate is None else f" ({rate:.0%} failed)")
         + f"  model {status.model}",
-        f"{'worker':<12}{'role':<9}{'pid':>8}  {'url':<24}{'grp':<4}{'fingerprint':<14}"
+        f"{'worker':<12}{'role':<9}{'pid':>8}  {'url':<24}{'grp':<4}{'dev':<5}{'fingerprint':<14}"
         f"{'free/total':>12}{'pinned':>8}{'run':>5}{'wait':>5}{'lease':>6}{'infl':>5}",
     ]
     for w in status.workers:
@@ -282,6 +285,7 @@ def render_table(status: ClusterStatus) -> str:
             role += "!"  # answers us, but the router will not choose it now
         lines.append(
             f"{w.worker_id or '':<12}{role:<9}{w.pid or 0:>8}  {w.url:<24}{_cell(w.group):<4}"
+            f"{_cell(w.device):<5}"
             f"{(w.fingerprint or '')[:12]:<14}{blocks:>12}{w.num_pinned_blocks:>8}"
             f"{w.num_running:>5}{w.num_waiting:>5}{_cell(w.num_active_leases):>6}"
             f"{_cell(w.num_inflight):>5}"

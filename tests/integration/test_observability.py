@@ -213,6 +213,7 @@ def test_status_and_top_show_the_live_cluster(
         str(h.health["worker_id"]) for h in (cluster.prefill, cluster.decode)
     )
     assert all(w["group"] == "A" and w["num_pinned_blocks"] == 0 for w in info["workers"])
+    assert all(w["device"] == "cpu" for w in info["workers"])
     assert main(["status", "--url", cluster.url]) == 0
     table = capsys.readouterr().out
     assert "breaker closed" in table and "(compatible)" in table

@@ -17,7 +17,7 @@ from pdserve.top import histogram_quantile, render_metrics
 def _rows() -> tuple[WorkerRow, ...]:
     return (
         WorkerRow("http://a", True, "prefill", 11, "p-1", "aaaa" * 4, 64, 60, 0, 0, 0),
-        WorkerRow("http://b", True, "both", 12, "d-1", "aaaa" * 4, 64, 50, 4, 1, 2),
+        WorkerRow("http://b", True, "both", 12, "d-1", "aaaa" * 4, 64, 50, 4, 1, 2, device="cuda"),
         WorkerRow("http://c", True, "both", 13, "d-2", "bbbb" * 4, 64, 64, 0, 0, 0),
         WorkerRow("http://d", False, error="URLError: refused"),
     )
@@ -44,10 +44,10 @@ def test_the_table_shows_groups_breaker_mode_and_down_workers() -> None:
         " (60% failed)  model tiny"
     )
     assert lines[1].split() == [
-        "worker", "role", "pid", "url", "grp", "fingerprint", "free/total", "pinned", "run",
+        "worker", "role", "pid", "url", "grp", "dev", "fingerprint", "free/total", "pinned", "run",
         "wait", "lease", "infl",
     ]  # fmt: skip
-    assert lines[3].split() == ["d-1", "both", "12", "http://b", "-", "aaaaaaaaaaaa", "50/64",
+    assert lines[3].split() == ["d-1", "both", "12", "http://b", "-", "cuda", "aaaaaaaaaaaa", "50/64",
                                 "4", "1", "2", "-", "-"]  # fmt: skip
     assert lines[5].split()[:3] == ["?", "down", "http://d"]
     assert lines[6] == "group A aaaaaaaaaaaa: 2 worker(s) p-1, d-1 (compatible)"
