@@ -309,14 +309,21 @@ def check_router_args(config: UpConfig) -> None:
     after the workers are up."""
     from pdserve.router.main import config_from_args
 
-    args = ["--worker", "http://127.0.0.1:1", "--mode", config.mode, *config.router_args]
-    args += ["--model", config.model] if config.model else []
-    try:
-        config_from_args(args)
-    except SystemExit:  # argparse already said why (an unknown flag, a bad number)
-        raise ConfigError(
-            f"router-arg: `pdserve router` refused {list(config.router_args)}"
-        ) from None
+    # The routers will get the cluster's secret in their environment, made after this check:
+    # a stand-in file gives the check one (a `--cluster-secret-file` in the router's own
+    # flags comes later in argv and is checked instead).
+    with tempfile.TemporaryDirectory(prefix="pdserve-check-") as folder:
+        stand_in = Path(folder) / "cluster-secret"
+        write_secret_file(stand_in, new_secret_text())
+        args = ["--worker", "http://127.0.0.1:1", "--mode", config.mode]
+        args += ["--cluster-secret-file", str(stand_in), *config.router_args]
+        args += ["--model", config.model] if config.model else []
+        try:
+            config_from_args(args)
+        except SystemExit:  # argparse already said why (an unknown flag, a bad number)
+            raise ConfigError(
+                f"router-arg: `pdserve router` refused {list(config.router_args)}"
+            ) from None
 
 
 def run_up(config: UpConfig) -> int:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from pdserve import LLM, SamplingParams
+from pdserve.auth.secret import ENV_VAR
 
 
 def free_port(count: int = 2) -> int:
@@ -59,7 +60,9 @@ def post(url: str, body: dict[str, object]) -> dict[str, object]:
 @pytest.fixture
 def cluster(tiny_model_path: Path, tmp_path: Path):  # type: ignore[no-untyped-def]
     port = free_port()
-    env = {**os.environ, "PDSERVE_CACHE": str(tmp_path)}
+    # As a user starts it (`make run`): no cluster secret in the environment, `up` makes one.
+    env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
+    env["PDSERVE_CACHE"] = str(tmp_path)
     # The tiny model is already built in the session cache; point the cluster at it.
     proc = subprocess.Popen(
         [
@@ -168,7 +171,9 @@ def test_up_restarts_what_dies_and_status_shows_it(
     if membership == "etcd" and shutil.which("etcd") is None:
         pytest.skip("etcd is not on PATH (etcd-server)")
     port = free_port()
-    env = {**os.environ, "PDSERVE_CACHE": str(tmp_path)}
+    # As a user starts it (`make run`): no cluster secret in the environment, `up` makes one.
+    env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
+    env["PDSERVE_CACHE"] = str(tmp_path)
     state_file = tmp_path / "up.json"
     args = [sys.executable, "-m", "pdserve", "up", "--prefill", "1", "--decode", "2"]
     args += ["--routers", "2", "--port", str(port), "--model", str(tiny_model_path)]
