@@ -5,9 +5,9 @@ each worker (healthy, in-flight calls); each worker's own /health adds role, pid
 fingerprint, blocks, requests and leases. When the cluster is a `pdserve up`, its state file
 adds every process it supervises (routers, workers, etcd) with its state and restarts. Workers
 are grouped by fingerprint digest: only workers of one group can exchange KV (DESIGN.md
-invariant 3), so a worker outside the router's compatible group is marked. A worker that does not answer is shown as down with the error, not skipped.
-Output is a table, or JSON with `--json`. Collecting does the I/O; grouping and rendering are
-pure.
+invariant 3), so a worker outside the router's compatible group is marked. A worker that does
+not answer is shown as down with the error, not skipped. Output is a table, or JSON with
+`--json`. Collecting does the I/O; grouping and rendering are pure.
 """
 
 from __future__ import annotations
