@@ -115,6 +115,19 @@ def wait_agreeing(cluster: Cluster, timeout_s: float = 10.0) -> dict[str, dict[s
         time.sleep(0.1)
 
 
+def wait_current(cluster: Cluster, timeout_s: float = 10.0) -> None:
+    """Until both routers agree and their views are the decode workers' own caches (the
+    events of the last evictions may still be on their way when the routers agree)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        views = wait_agreeing(cluster, timeout_s)
+        mine = {d.url: worker_snapshot(d.url)["digest"] for d in cluster.decodes}
+        if all(views[url]["digest"] == digest for url, digest in mine.items()):
+            return
+        assert time.monotonic() < deadline, f"routers behind the workers: {views} vs {mine}"
+        time.sleep(0.1)
+
+
 def decode_of(router: str, request_id: str, cluster: Cluster) -> tuple[str, str]:
     """(the decode worker that served the request, its routing details) from the timeline."""
     history = get(f"{router}/debug/requests/{request_id}?workers=0")["history"]
@@ -152,6 +165,6 @@ def test_a_session_keeps_its_worker_across_routers_until_its_blocks_are_evicted(
     # Long unrelated prompts fill both decode workers' 24 blocks: the history is evicted.
     for i in range(6):
         complete(a, [500 + i] * 256)
-    wait_agreeing(cluster)
+    wait_current(cluster)
     served, details = decode_of(b, complete(b, turn + [9] * 16, "chat-y"), cluster)
     assert "holds the prefix" not in details
