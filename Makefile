@@ -52,8 +52,8 @@ client-venvs:
 	$(MAKE) $(CLIENTS)/guidellm/.installed $(CLIENTS)/aiperf/.installed
 
 test: install system-deps client-venvs
-	$(PY) -m ruff check pdserve tests benchmarks
-	$(PY) -m ruff format --check pdserve tests benchmarks
+	$(PY) -m ruff check pdserve pdlab tests benchmarks
+	$(PY) -m ruff format --check pdserve pdlab tests benchmarks
 	$(PY) -m mypy
 	# The outside-client tests must run here, not skip for want of their venvs.
 	PDSERVE_REQUIRE_CLIENTS=1 $(PY) -m pytest -q --durations=20
@@ -77,7 +77,7 @@ gpu-check:
 	# The CUDA tests first (they skip on a machine without a GPU), then the measured run.
 	PYTHONPATH=/tmp/site:$(CURDIR) python3 -m pytest -q -p no:cacheprovider -rs \
 		tests/unit/engine/test_cuda_engine.py tests/unit/model/test_triton_attention.py; \
-		PYTHONPATH=/tmp/site:$(CURDIR) python3 -m pdserve bench gpu-check --device cuda \
+		PYTHONPATH=/tmp/site:$(CURDIR) python3 -m pdlab bench gpu-check --device cuda \
 		--json $(GPU_CHECK_JSON)
 
 .PHONY: install system-deps run test client-venvs gpu-wheels gpu-check

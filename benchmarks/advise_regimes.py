@@ -4,7 +4,7 @@
         [--plot DIR]
 
 Two `both` workers of the tiny model (one cluster per workload, colocated and 1:1 measured
-side by side on the same processes, see `pdserve.bench.advise`):
+side by side on the same processes, see `pdserve.advise.command`):
 
 - `split_wins`: long prompts (1800-1990 tokens, near the tiny model's 2048 context), 32-48
   output tokens, a tight TPOT SLO (10 ms). Colocated, a long prefill shares engine steps with
@@ -37,10 +37,10 @@ import json
 import os
 from pathlib import Path
 
-from pdserve.bench.advise import AdviseConfig, report_json, run_advise
-from pdserve.bench.advise_workload import AdviseWorkload
-from pdserve.bench.serve import prepare_run
-from pdserve.bench.serve_stats import SLO, WorkloadShape
+from pdserve.advise.command import AdviseConfig, report_json, run_advise
+from pdserve.advise.goodput import prepare_run
+from pdserve.advise.goodput_stats import SLO, WorkloadShape
+from pdserve.advise.workload import AdviseWorkload
 from pdserve.supervise.process import exit_on_sigterm
 
 REGIMES = {
@@ -89,7 +89,7 @@ def main() -> int:
         report["load_average_before_after"] = [before, after]
         doc[name] = report
         if args.plot is not None:
-            from pdserve.bench.serve_plot import save_serve_plots
+            from pdserve.advise.goodput_plot import save_serve_plots
 
             save_serve_plots(result.report, slo, args.plot / name)
         ratios = report["goodput_ratio_disagg_vs_colocated"]

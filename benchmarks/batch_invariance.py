@@ -24,8 +24,8 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from pdserve.config import EngineConfig, ModelLoadConfig  # noqa: E402
 from pdserve.engine.engine import Engine  # noqa: E402
-from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
 from pdserve.model.loader import LoadedModel, load_model  # noqa: E402
+from pdserve.protocol.sampling import SamplingParams  # noqa: E402
 
 # (name, prompt tokens, concurrent requests, output tokens)
 WORKLOADS = [

@@ -24,9 +24,9 @@ import torch
 
 from pdserve.config import EngineConfig, ModelLoadConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.loader import load_model
 from pdserve.model.tiny import default_model_path
+from pdserve.protocol.sampling import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from checkpoints import kv_heavy_config, save_hf_checkpoint

@@ -34,11 +34,11 @@ from pathlib import Path
 
 import aiohttp
 
+from pdlab.bench.kv_heavy_model import KVHeavyShape, build_kv_heavy_checkpoint
+from pdlab.chaos.cluster import ChaosCluster
+from pdlab.chaos.scenarios import WorkerSpec
+from pdserve.advise.client import stream_completion
 from pdserve.auth.secret import ENV_VAR
-from pdserve.bench.chaos_cluster import ChaosCluster
-from pdserve.bench.chaos_scenarios import WorkerSpec
-from pdserve.bench.completion_client import stream_completion
-from pdserve.bench.kv_heavy_model import KVHeavyShape, build_kv_heavy_checkpoint
 from pdserve.observability.exposition import parse as parse_exposition
 from pdserve.supervise.process import (
     Child,

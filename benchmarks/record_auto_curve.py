@@ -24,9 +24,9 @@ from typing import Any
 
 import aiohttp
 
-from pdserve.bench.serve import Endpoint, run_rate
-from pdserve.bench.serve_stats import SLO, WorkloadShape, build_workload, summarize
-from pdserve.launcher import Cluster, UpConfig
+from pdserve.advise.goodput import Endpoint, run_rate
+from pdserve.advise.goodput_stats import SLO, WorkloadShape, build_workload, summarize
+from pdserve.supervise.launcher import Cluster, UpConfig
 from pdserve.supervise.process import exit_on_sigterm
 
 PHASES = (

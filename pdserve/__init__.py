@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pdserve.engine.sampling_params import SamplingParams
     from pdserve.llm import LLM, CompletionOutput
+    from pdserve.protocol.sampling import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "SamplingParams"]
 __version__ = "0.1.0"
@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> object:
     # Lazy, so that importing a pure module (codec, block manager) does not import torch.
     if name == "SamplingParams":
-        from pdserve.engine.sampling_params import SamplingParams
+        from pdserve.protocol.sampling import SamplingParams
 
         return SamplingParams
     if name in ("LLM", "CompletionOutput"):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 
 from pdserve.config import DEVICES, EngineConfig
-from pdserve.router.auto_mode import AutoConfig
 from pdserve.router.config import (
     RECOVERY_STEPS,
     ROUTINGS,
@@ -19,7 +18,8 @@ from pdserve.router.config import (
     BreakerConfig,
     RecoveryConfig,
 )
-from pdserve.router.interference import SLOConfig
+from pdserve.router.mode.auto_mode import AutoConfig
+from pdserve.router.mode.interference import SLOConfig
 
 _BREAKER = BreakerConfig()
 _RECOVERY = RecoveryConfig()

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from pdserve.config import EngineConfig, ModelLoadConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import ConfigError
+from pdserve.protocol.sampling import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

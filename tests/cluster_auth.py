@@ -19,8 +19,8 @@ import yarl
 
 from pdserve.auth.secret import ClusterSecret
 from pdserve.auth.signing import auth_headers
-from pdserve.worker.protocol import Reservation, SignedReservation
-from pdserve.worker.reservation_auth import sign_reservation
+from pdserve.protocol.reservation_signing import sign_reservation
+from pdserve.protocol.worker_api import Reservation, SignedReservation
 
 TEST_SECRET = "pdserve-test-cluster-secret-0123456789abcdef"
 SECRET = ClusterSecret(TEST_SECRET.encode(), "tests")

@@ -1,11 +1,11 @@
-"""Network namespaces for the multi-host tests: `lab` and `Lab` (see `pdserve.bench.netlab`),
+"""Network namespaces for the multi-host tests: `lab` and `Lab` (see `pdlab.netlab`),
 and `require_netns`, which skips the calling test with the reason where they cannot be made."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdserve.bench.netlab import IP_MISSING, Lab, lab, probe_netns
+from pdlab.netlab import IP_MISSING, Lab, lab, probe_netns
 
 __all__ = ["IP_MISSING", "Lab", "lab", "require_netns"]
 

@@ -30,15 +30,15 @@ from pdserve.engine.grammar import GrammarCompiler
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.kv_staging import KVStaging
-from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import EngineStats, RequestDelta
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.step_stats import StepFacts, StepTotals, count_tokens, is_decode_slice
 from pdserve.errors import ConfigError, PromptTooLong, RequestNotFound, SamplingParamsError
 from pdserve.model.loader import LoadedModel, load_model
+from pdserve.protocol.logprobs import TokenLogprobs
+from pdserve.protocol.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ original was: a request moved mid-JSON continues the same JSON.
 
 The allowed-token mask covers the model's vocabulary; ids the tokenizer does not know (a
 padded embedding matrix) are never allowed. Pure: no I/O; used on the engine thread, and by
-the router to check a spec once at the API boundary.
+the router to check a spec once at the API boundary, so it needs no torch.
 """
 
 from __future__ import annotations
@@ -24,10 +24,8 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-import torch
-
-from pdserve.engine.sampling_params import GrammarKind, GrammarSpec
 from pdserve.errors import GrammarError, GrammarUnavailable
+from pdserve.protocol.sampling import GrammarKind, GrammarSpec
 
 EXTRA = "pdserve[grammar]"
 _COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
@@ -78,14 +76,15 @@ class GrammarState:
         self._matcher = matcher
         self._vocab_size = vocab_size
 
-    def allowed(self) -> torch.Tensor:
-        """[vocab] bool: the tokens that keep the output a valid prefix."""
-        words = torch.frombuffer(bytearray(self._matcher.compute_bitmask()), dtype=torch.int32)
-        bits = (words.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1  # [W, 32]
-        mask = bits.reshape(-1).bool()
-        if mask.numel() >= self._vocab_size:
-            return mask[: self._vocab_size]
-        return torch.cat([mask, mask.new_zeros(self._vocab_size - mask.numel())])
+    def bitmask(self) -> bytes:
+        """The tokens that keep the output a valid prefix: bit `i % 32` of little-endian
+        int32 word `i // 32` is token `i` (`logits_processing.allowed_mask` reads it)."""
+        return bytes(self._matcher.compute_bitmask())
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size (the mask's length)."""
+        return self._vocab_size
 
     def accept(self, token_id: int) -> None:
         """Advance past `token_id`; GrammarError if the grammar does not allow it."""

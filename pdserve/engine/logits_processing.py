@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.sampling import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +53,17 @@ class LogitsContext:
             or bool(p.logit_bias)
             or p.has_penalties
         )
+
+
+def allowed_mask(bitmask: bytes, vocab_size: int) -> torch.Tensor:
+    """[vocab] bool from a grammar's packed bitmask (`GrammarState.bitmask`); ids past the
+    mask (a padded embedding matrix) are never allowed."""
+    words = torch.frombuffer(bytearray(bitmask), dtype=torch.int32)
+    bits = (words.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1  # [W, 32]
+    mask = bits.reshape(-1).bool()
+    if mask.numel() >= vocab_size:
+        return mask[:vocab_size]
+    return torch.cat([mask, mask.new_zeros(vocab_size - mask.numel())])
 
 
 def process(logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:

@@ -9,19 +9,9 @@ are bitwise the same for a position however the step was batched or the KV compu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprobs:
-    """One position: the chosen token's logprob and the most likely alternatives."""
-
-    token_id: int
-    logprob: float
-    # (token id, logprob), most likely first; as many as the request asked for.
-    top: tuple[tuple[int, float], ...] = ()
+from pdserve.protocol.logprobs import TokenLogprobs
 
 
 def token_logprobs(logits: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:

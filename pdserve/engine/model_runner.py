@@ -16,13 +16,14 @@ import torch
 
 from pdserve.engine.decode_graphs import DecodeGraphs
 from pdserve.engine.kv_cache import KVCache
-from pdserve.engine.logits_processing import LogitsContext
-from pdserve.engine.logprobs import TokenLogprobs, token_logprobs
+from pdserve.engine.logits_processing import LogitsContext, allowed_mask
+from pdserve.engine.logprobs import token_logprobs
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import SamplingRow, greedy_tokens, sample_row
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.model.attention import build_metadata
 from pdserve.model.llama import LlamaModel
+from pdserve.protocol.logprobs import TokenLogprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +64,9 @@ def _row(request: Request) -> SamplingRow:
         request.prompt_token_ids,
         request.output_token_ids,
         request.stop_token_ids,
-        request.grammar.allowed() if request.grammar is not None else None,
+        None
+        if request.grammar is None
+        else allowed_mask(request.grammar.bitmask(), request.grammar.vocab_size),
     )
     return SamplingRow(
         p.temperature,

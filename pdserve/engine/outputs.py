@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.step_stats import StepFacts, StepTotals
+from pdserve.protocol.logprobs import TokenLogprobs
 
 
 @dataclass(frozen=True, slots=True)

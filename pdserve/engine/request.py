@@ -20,8 +20,8 @@ import enum
 from dataclasses import dataclass, field
 
 from pdserve.engine.grammar import GrammarState
-from pdserve.engine.logprobs import TokenLogprobs
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.logprobs import TokenLogprobs
+from pdserve.protocol.sampling import SamplingParams
 
 
 class RequestStatus(enum.Enum):

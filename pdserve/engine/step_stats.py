@@ -16,7 +16,7 @@ phases: a decode-only step is all decode, a prefill-only step all prefill; of a 
 decode part is what a decode-only step costs now (an exponential average of recent decode-only
 steps, capped at the mixed step's duration) and the rest is the prefill's. That attribution
 answers "how much engine time would each phase need on its own", which is what a P:D ratio
-is sized from (`pdserve.router.auto_mode`).
+is sized from (`pdserve.router.mode.auto_mode`).
 """
 
 from __future__ import annotations

@@ -2,44 +2,46 @@
 
 `load_model` is the entry point; `default_model_path` gives the embedded tiny model. The forward
 (`LlamaModel`) is stateless and runs over the paged KV cache defined in `attention.py`.
+
+The names below are imported on first use (PEP 562), so that importing a torch-free module of
+this package (`tokenizer`, `fingerprint`, `config`), as the router does, does not load torch.
 """
 
-from pdserve.model.attention import (
-    KV_LAYOUT_VERSION,
-    AttentionMetadata,
-    build_metadata,
-    contiguous_metadata,
-)
-from pdserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling, load_config
-from pdserve.model.fingerprint import Fingerprint
-from pdserve.model.llama import LlamaModel
-from pdserve.model.loader import LoadedModel, load_model
-from pdserve.model.quant import Int8Linear, quantize_linears
-from pdserve.model.tiny import TINY_VERSION, build_tiny_model, default_model_path
-from pdserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from pdserve.model.weights import Weights, expected_shapes, load_weights
+from __future__ import annotations
 
-__all__ = [
-    "KV_LAYOUT_VERSION",
-    "SUPPORTED_ARCHITECTURES",
-    "TINY_VERSION",
-    "AttentionMetadata",
-    "Fingerprint",
-    "IncrementalDetokenizer",
-    "Int8Linear",
-    "LlamaModel",
-    "LoadedModel",
-    "ModelConfig",
-    "RopeScaling",
-    "Tokenizer",
-    "Weights",
-    "build_metadata",
-    "build_tiny_model",
-    "contiguous_metadata",
-    "default_model_path",
-    "expected_shapes",
-    "load_config",
-    "load_model",
-    "load_weights",
-    "quantize_linears",
-]
+import importlib
+from typing import Any
+
+_WHERE = {
+    "KV_LAYOUT_VERSION": "kv_layout",
+    "AttentionMetadata": "attention",
+    "build_metadata": "attention",
+    "contiguous_metadata": "attention",
+    "SUPPORTED_ARCHITECTURES": "config",
+    "ModelConfig": "config",
+    "RopeScaling": "config",
+    "load_config": "config",
+    "Fingerprint": "fingerprint",
+    "LlamaModel": "llama",
+    "LoadedModel": "loader",
+    "load_model": "loader",
+    "Int8Linear": "quant",
+    "quantize_linears": "quant",
+    "TINY_VERSION": "tiny",
+    "build_tiny_model": "tiny",
+    "default_model_path": "tiny",
+    "IncrementalDetokenizer": "tokenizer",
+    "Tokenizer": "tokenizer",
+    "Weights": "weights",
+    "expected_shapes": "weights",
+    "load_weights": "weights",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pdserve.model' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"pdserve.model.{module}"), name)

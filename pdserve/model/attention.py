@@ -1,6 +1,6 @@
 """Paged attention over pdserve's block-major KV cache, in plain PyTorch.
 
-KV layout (version 1), one tensor per engine:
+KV layout (`kv_layout.KV_LAYOUT_VERSION` 1), one tensor per engine:
 
     kv_cache: [num_blocks, num_layers, 2 (k, v), block_size, num_kv_heads, head_dim]
 
@@ -24,8 +24,6 @@ import torch.nn.functional as F
 from pdserve.model.batch_invariant import InvariantPlan, build_plan
 from pdserve.model.batch_invariant import attention as invariant_attention
 from pdserve.model.triton_attention import paged_decode_attention, triton_available
-
-KV_LAYOUT_VERSION = 1
 
 
 @dataclass(slots=True)

@@ -20,8 +20,8 @@ from typing import Any
 import xxhash
 
 from pdserve.errors import ConfigError, FingerprintMismatch
-from pdserve.model.attention import KV_LAYOUT_VERSION
 from pdserve.model.config import ModelConfig
+from pdserve.model.kv_layout import KV_LAYOUT_VERSION
 
 # JSON types accepted for each field annotation (a float field may arrive as an integer).
 _WIRE_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,)}

@@ -23,15 +23,15 @@ import shutil
 import tempfile
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors.torch import save_file
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from pdserve.model.config import parse_config
-from pdserve.model.weights import SINGLE_FILE, expected_shapes
+
+if TYPE_CHECKING:
+    import torch
 
 TINY_VERSION = 1
 DEFAULT_SEED = 0
@@ -114,6 +114,11 @@ def random_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]
     the logits spread enough for greedy decoding to have clear winners; embeddings are N(0, 1);
     norm weights are 1.
     """
+    # torch only when weights are made: a router that finds the model cached never loads it.
+    import torch
+
+    from pdserve.model.weights import expected_shapes
+
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for name, shape in sorted(expected_shapes(parse_config(config)).items()):
@@ -135,6 +140,10 @@ def build_tiny_model(out_dir: str | Path, seed: int = DEFAULT_SEED) -> Path:
         {"bos_token_id": TINY_CONFIG["bos_token_id"], "eos_token_id": TINY_CONFIG["eos_token_id"]},
     )
     write_tokenizer(out, TINY_CONFIG["vocab_size"])
+    from safetensors.torch import save_file
+
+    from pdserve.model.weights import SINGLE_FILE
+
     tensors = random_weights(TINY_CONFIG, seed)
     # Fixed metadata; safetensors orders the header and data itself, independent of dict order.
     save_file(dict(sorted(tensors.items())), str(out / SINGLE_FILE), metadata={"format": "pt"})

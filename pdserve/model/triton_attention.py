@@ -8,7 +8,7 @@ have static shapes (a padded batch, a fixed number of block-table columns, conte
 device tensor), so the launch can be captured in a CUDA graph and replayed; a padding row with
 context length 0 writes zeros.
 
-KV layout (`attention.KV_LAYOUT_VERSION` 1), one tensor per engine, any strides:
+KV layout (`kv_layout.KV_LAYOUT_VERSION` 1), one tensor per engine, any strides:
 
     kv_cache: [num_blocks, num_layers, 2 (k, v), block_size, num_kv_heads, head_dim]
 

@@ -1,5 +1,5 @@
 """The metrics of decode checkpoints (`pdserve/checkpoint/`, `worker/checkpoint_*.py`) and of a
-worker's prefix cache as a resume's source (`worker/prefix_source.py`): declared here, kept in
+worker's prefix cache as a resume's source (`worker/checkpoint/prefix_source.py`): declared here, kept in
 `metric_names.ALL` with every other metric (same naming rules, same dashboard check).
 """
 
@@ -111,7 +111,7 @@ WORKER_CHECKPOINT_CANARY = _spec(
     "result",
 )
 
-# ---- worker: its prefix cache as a resume's source (`worker/prefix_source.py`) -------------
+# ---- worker: its prefix cache as a resume's source (`worker/checkpoint/prefix_source.py`) -------------
 WORKER_CACHE_SOURCE_LOOKUPS = _spec(
     "pdserve_worker_cache_source_lookups_total",
     "counter",

@@ -90,7 +90,7 @@ ROUTER_BREAKER_STATE = _spec(
 ROUTER_BREAKER_TRANSITIONS = _spec(
     "pdserve_router_breaker_transitions_total", "counter", "Breaker state changes.", "from", "to"
 )
-# ---- router: prefill-decode interference and SLOs (`router/interference.py`) ------------------
+# ---- router: prefill-decode interference and SLOs (`router/mode/interference.py`) ------------------
 ROUTER_DECODE_TPOT = _spec(
     "pdserve_router_decode_tpot_seconds",
     "histogram",
@@ -121,7 +121,7 @@ ROUTER_SLO_ATTAINMENT = _spec(
 ROUTER_SLO_TARGET = _spec(
     "pdserve_router_slo_target_seconds", "gauge", "The configured SLOs (ttft, tpot).", "slo"
 )
-# ---- router: automatic mode (`--mode auto`, `router/auto_mode.py`) ----------------------------
+# ---- router: automatic mode (`--mode auto`, `router/mode/auto_mode.py`) ----------------------------
 ROUTER_AUTO_DECISIONS = _spec(
     "pdserve_router_auto_decisions_total",
     "counter",

@@ -26,8 +26,8 @@ from typing import Any
 
 from pdserve.observability.phases import phase_bounds
 from pdserve.observability.request_stats import request_stats
-from pdserve.router.state import RequestState as S
-from pdserve.router.state import RequestTimeline
+from pdserve.protocol.request_state import RequestState as S
+from pdserve.protocol.request_state import RequestTimeline
 
 TRACER_NAME = "pdserve.router"
 SpanHook = Callable[[RequestTimeline], None]

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from pdserve.router.state import RequestState as S
+from pdserve.protocol.request_state import RequestState as S
 
 PHASES: dict[str, tuple[S, S]] = {
     "reserve": (S.ROUTED, S.RESERVED),

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pdserve.observability.phases import handoff_phases
-from pdserve.router.state import Reason, Transition
-from pdserve.router.state import RequestState as S
+from pdserve.protocol.request_state import Reason, Transition
+from pdserve.protocol.request_state import RequestState as S
 
-# The RECEIVED detail of a request the breaker sent colocated (router/dispatcher.py).
+# The RECEIVED detail of a request the breaker sent colocated (router/flows/dispatcher.py).
 BREAKER_DETAIL = "colocated: KV-path circuit breaker open"
 
 

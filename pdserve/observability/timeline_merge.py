@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.observability.timeline_log import TimelineEvent
-from pdserve.router.state import RequestState as S
-from pdserve.router.state import Transition
+from pdserve.protocol.request_state import RequestState as S
+from pdserve.protocol.request_state import Transition
 
 
 @dataclass(frozen=True, slots=True)

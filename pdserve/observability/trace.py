@@ -18,7 +18,7 @@ from urllib.request import urlopen
 
 from pdserve.errors import PdserveError
 from pdserve.observability.phases import handoff_phases
-from pdserve.router.state import RequestState, Transition
+from pdserve.protocol.request_state import RequestState, Transition
 
 BAR_WIDTH = 40
 

@@ -41,36 +41,36 @@ from pdserve.membership import open_membership
 from pdserve.model.config import load_config
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.observability import otel
+from pdserve.protocol.worker_api import WorkerHealth
 from pdserve.router import debug_view
 from pdserve.router import metrics as metrics_mod
-from pdserve.router.affinity import AffinityPolicy
-from pdserve.router.auto_controller import AutoController
-from pdserve.router.breaker import CircuitBreaker
-from pdserve.router.capacity_queue import CapacityQueue
-from pdserve.router.colocated import ColocatedFlow
+from pdserve.router.api.openai_routes import OpenAIApi, error_body
+from pdserve.router.api.tokenize_routes import TokenizeApi
 from pdserve.router.config import Mode, RouterConfig
-from pdserve.router.disagg import DisaggFlow, Handoff
-from pdserve.router.dispatcher import Dispatcher
-from pdserve.router.flow import Flow
-from pdserve.router.health_watch import HealthWatch
-from pdserve.router.kv_feed import KVEventFeed
-from pdserve.router.live_monitor import LiveMonitor
+from pdserve.router.flows.capacity_queue import CapacityQueue
+from pdserve.router.flows.colocated import ColocatedFlow
+from pdserve.router.flows.disagg import DisaggFlow, Handoff
+from pdserve.router.flows.dispatcher import Dispatcher
+from pdserve.router.flows.flow import Flow
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.mode_control import AutoView, ModeControl
-from pdserve.router.model_check import describe, model_mismatch, router_model_fields
-from pdserve.router.openai_api import OpenAIApi, error_body
-from pdserve.router.policy import (
+from pdserve.router.mode.auto_controller import AutoController
+from pdserve.router.mode.breaker import CircuitBreaker
+from pdserve.router.mode.control import AutoView, ModeControl
+from pdserve.router.mode.live_monitor import LiveMonitor
+from pdserve.router.mode.roles import AssignedPool, RoleOverlay
+from pdserve.router.placement.affinity import AffinityPolicy
+from pdserve.router.placement.policy import (
     compatible_digest,
     fingerprint_groups,
     pairing_problems,
     rank_colocated,
     rank_decode,
 )
-from pdserve.router.pool import WorkerPool
-from pdserve.router.roles import AssignedPool, RoleOverlay
-from pdserve.router.tokenize_api import TokenizeApi
-from pdserve.router.worker_client import ClientTimeouts, WorkerClient
-from pdserve.worker.protocol import WorkerHealth
+from pdserve.router.workers.client import ClientTimeouts, WorkerClient
+from pdserve.router.workers.health_watch import HealthWatch
+from pdserve.router.workers.kv_feed import KVEventFeed
+from pdserve.router.workers.model_check import describe, model_mismatch, router_model_fields
+from pdserve.router.workers.pool import WorkerPool
 
 log = logging.getLogger(__name__)
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

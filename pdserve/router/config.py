@@ -7,13 +7,13 @@ from pathlib import Path
 from typing import Literal
 
 from pdserve.auth.secret import ClusterSecret
-from pdserve.checkpoint.policy import CheckpointPolicy
 from pdserve.errors import ConfigError
 from pdserve.faults import parse_rules
 from pdserve.membership.uri import parse_discovery
-from pdserve.router.auto_mode import AutoConfig
-from pdserve.router.interference import SLOConfig
-from pdserve.worker.protocol import MAX_LEASE_TTL_S, MAX_WAIT_S
+from pdserve.protocol.checkpoint_policy import CheckpointPolicy
+from pdserve.protocol.worker_api import MAX_LEASE_TTL_S, MAX_WAIT_S
+from pdserve.router.mode.auto_mode import AutoConfig
+from pdserve.router.mode.interference import SLOConfig
 
 # The path a request takes; fixed when it begins.
 Mode = Literal["disagg", "colocated"]
@@ -86,7 +86,7 @@ class RecoveryConfig:
     # at once), with at most `max_queued` requests waiting at a time.
     queue_timeout_s: float = 5.0
     max_queued: int = 64
-    # Decode checkpoints (`pdserve/checkpoint/policy.py`): off, prompt or every-N; a holder
+    # Decode checkpoints (`pdserve/protocol/checkpoint_policy.py`): off, prompt or every-N; a holder
     # drops a request's copy this long after its writer stopped renewing.
     checkpoint: str = "off"
     checkpoint_lease_ttl_s: float = 10.0
@@ -128,7 +128,7 @@ class AffinityConfig:
     """Where requests go: prefix and session affinity weighed against load.
 
     A candidate's cost is `prefix_weight * blocks it must compute + load_weight * requests on
-    it`; the cheapest wins (see `pdserve.router.affinity`).
+    it`; the cheapest wins (see `pdserve.router.placement.affinity`).
     """
 
     # "affinity": cost above plus sticky sessions; "load": least loaded only (prefix ignored);
@@ -177,7 +177,7 @@ class RouterConfig:
     workers: tuple[str, ...]
     # Folder with the tokenizer and config.json; its name is the served model name.
     model: Path
-    # "auto": start colocated and let `router/auto_controller.py` split and rejoin the pool.
+    # "auto": start colocated and let `router/mode/auto_controller.py` split and rejoin the pool.
     mode: ModeSetting = "disagg"
     host: str = "127.0.0.1"
     # 0 picks a free port (reported through ready_file).

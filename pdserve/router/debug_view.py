@@ -24,9 +24,9 @@ from pdserve.errors import RouterError
 from pdserve.observability.clock_sync import ClockSync
 from pdserve.observability.timeline_log import TimelineEvent
 from pdserve.observability.timeline_merge import ProcessEvents, call_bounds, merge_events
-from pdserve.router.pool import WorkerPool
-from pdserve.router.state import RequestTimeline
-from pdserve.router.worker_client import WorkerClient
+from pdserve.protocol.request_state import RequestTimeline
+from pdserve.router.workers.client import WorkerClient
+from pdserve.router.workers.pool import WorkerPool
 
 
 class TransitionView(BaseModel):

@@ -25,7 +25,6 @@ from pdserve.config_file import add_config_flag, expand
 from pdserve.errors import PdserveError
 from pdserve.flags import add_policy_flags
 from pdserve.router.app import create_app
-from pdserve.router.auto_mode import AutoConfig
 from pdserve.router.config import (
     MODE_SETTINGS,
     AffinityConfig,
@@ -35,7 +34,8 @@ from pdserve.router.config import (
     parse_mode_setting,
     parse_recovery,
 )
-from pdserve.router.interference import SLOConfig
+from pdserve.router.mode.auto_mode import AutoConfig
+from pdserve.router.mode.interference import SLOConfig
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -24,8 +24,8 @@ from pdserve.observability.exposition import (
     render_histograms,
 )
 from pdserve.observability.request_stats import RequestStats
-from pdserve.router.breaker import BreakerState, CircuitBreaker
-from pdserve.router.pool import WorkerPool
+from pdserve.router.mode.breaker import BreakerState, CircuitBreaker
+from pdserve.router.workers.pool import WorkerPool
 
 __all__ = ["CONTENT_TYPE", "Histogram", "RouterMetrics", "WorkerGauges"]
 

@@ -2,7 +2,7 @@
 
 Pure parts, none of which touches a socket, asyncio, torch or the scheduler:
 - `messages` / `wire`: the typed messages and their bounded body encodings;
-- `codec`: the frame layout, `encode`, `decode_header`, `decode_body`; `decoder.FrameDecoder`;
+- `codec`: the frame layout, `encode`, `decode_header`, `decode_body`;
 - `sender_session` / `receiver_session`: the protocol as transition tables;
 - `lease`: fenced, expiring holds on KV blocks.
 Transports (TCP, shared memory, in-memory, fault-injecting) live in their own modules.
@@ -21,7 +21,6 @@ from pdserve.transfer.codec import (
     encode,
     verify_data,
 )
-from pdserve.transfer.decoder import FrameDecoder
 from pdserve.transfer.lease import Lease, LeaseTable
 from pdserve.transfer.messages import (
     PROTOCOL_VERSION,
@@ -60,7 +59,6 @@ __all__ = [
     "Commit",
     "Envelope",
     "Frame",
-    "FrameDecoder",
     "FrameHeader",
     "Hello",
     "KVLayout",

@@ -91,7 +91,7 @@ class WorkerConfig:
     checkpoint_small_put_kib: int = 2048
     # Puts that go over TCP ride one long-lived replication link per holder (a handshake
     # per connection, then one frame and one reply per put) instead of an HTTP reservation
-    # and a transfer session each (`worker/checkpoint_link.py`). Off: a session per put.
+    # and a transfer session each (`worker/checkpoint/link.py`). Off: a session per put.
     checkpoint_links: bool = True
 
     def __post_init__(self) -> None:

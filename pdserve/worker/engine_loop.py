@@ -33,8 +33,8 @@ from typing import Any, TypeVar
 
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import EngineStats, RequestDelta
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import NoFreeBlocks, PromptTooLong, RequestNotFound
+from pdserve.protocol.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -30,18 +30,18 @@ from pdserve.membership import Member, Registration, open_registration
 from pdserve.observability.timeline_log import EventRing
 from pdserve.transfer.receiver import ReceiverLimits
 from pdserve.transfer.sender import SendPolicy
-from pdserve.worker import kv_transports
-from pdserve.worker.app import WorkerAPI
-from pdserve.worker.checkpoint_routes import CheckpointService
+from pdserve.worker.checkpoint.prefix_source import PrefixCacheSource
+from pdserve.worker.checkpoint.routes import CheckpointService
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.engine_loop import EngineLoop
-from pdserve.worker.give_up_notice import http_give_up_notice
-from pdserve.worker.kv_events import KVEventStreams
-from pdserve.worker.kv_inbox import KVInbox
-from pdserve.worker.kv_outbox import KVOutbox
+from pdserve.worker.http.app import WorkerAPI
+from pdserve.worker.kv import transports as kv_transports
+from pdserve.worker.kv.events import KVEventStreams
+from pdserve.worker.kv.give_up_notice import http_give_up_notice
+from pdserve.worker.kv.inbox import KVInbox
+from pdserve.worker.kv.outbox import KVOutbox
+from pdserve.worker.kv.transport_stats import TransportStats
 from pdserve.worker.lease_keeper import LeaseKeeper
-from pdserve.worker.prefix_source import PrefixCacheSource
-from pdserve.worker.transport_stats import TransportStats
 
 # Seconds in-flight HTTP handlers get to finish when the worker stops.
 SHUTDOWN_TIMEOUT_S = 2.0

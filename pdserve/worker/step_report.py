@@ -20,7 +20,7 @@ from pdserve.engine.outputs import RequestDelta
 from pdserve.engine.step_stats import StepKind, StepTotals
 from pdserve.observability import metric_names as m
 from pdserve.observability.exposition import render_family
-from pdserve.worker.protocol import StepInfo, StepTotalsModel
+from pdserve.protocol.worker_api import StepInfo, StepTotalsModel
 
 
 def step_info(delta: RequestDelta) -> StepInfo | None:

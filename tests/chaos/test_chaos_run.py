@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench.chaos import ChaosConfig, render_table, run_chaos_async
-from pdserve.bench.chaos_scenarios import BREAKER_CYCLE, SCENARIOS, ScenarioResult
+from pdlab.chaos.run import ChaosConfig, render_table, run_chaos_async
+from pdlab.chaos.scenarios import BREAKER_CYCLE, SCENARIOS, ScenarioResult
 
 pytestmark = pytest.mark.slow
 

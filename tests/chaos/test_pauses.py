@@ -33,8 +33,8 @@ from cluster_auth import signed_headers, signed_reservation
 from worker_proc import WorkerHandle, launch_worker, router_process, wait_ready, worker_processes
 
 from pdserve import LLM
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.observability.exposition import parse, total
+from pdserve.protocol.sampling import SamplingParams
 
 
 def http(url: str, body: object | None = None, timeout: float = 120) -> tuple[int, bytes]:

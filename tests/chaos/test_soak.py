@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench.soak import SoakConfig, run_soak_async
-from pdserve.bench.soak_check import check
-from pdserve.bench.soak_history import Phase, from_lines
-from pdserve.bench.soak_report import SoakResult, render_report, write_history
+from pdlab.soak.check import check
+from pdlab.soak.history import Phase, from_lines
+from pdlab.soak.report import SoakResult, render_report, write_history
+from pdlab.soak.run import SoakConfig, run_soak_async
 
 pytestmark = [
     pytest.mark.slow,

@@ -27,9 +27,10 @@ import atheris
 import xxhash
 
 with atheris.instrument_imports(include=["pdserve.transfer"]):
+    from frame_decoder import FrameDecoder
+
     from pdserve.errors import ProtocolError
     from pdserve.transfer.codec import HEADER, MAGIC, Envelope, encode
-    from pdserve.transfer.decoder import FrameDecoder
     from pdserve.transfer.messages import (
         PROTOCOL_VERSION,
         Abort,

@@ -28,9 +28,9 @@ import aiohttp
 import pytest
 from worker_proc import launch_worker, router_process, wait_ready, worker_processes
 
-from pdserve.bench.completion_client import Completion, stream_completion
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.advise.client import Completion, stream_completion
 from pdserve.llm import LLM
+from pdserve.protocol.sampling import SamplingParams
 
 ROUTER_ARGS = (
     "--slo-ttft-ms", "10000",

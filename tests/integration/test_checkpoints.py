@@ -21,15 +21,15 @@ from worker_proc import WorkerHandle, launch_worker, wait_ready, worker_processe
 from pdserve.config import EngineConfig, ModelLoadConfig
 from pdserve.engine.canary import ValueDigest
 from pdserve.engine.engine import Engine
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.loader import load_model
 from pdserve.observability.exposition import parse
+from pdserve.protocol.checkpoint_api import CheckpointPut
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.protocol.worker_api import Reservation
 from pdserve.transfer.sender import SendPolicy
-from pdserve.worker.checkpoint_protocol import CheckpointPut
-from pdserve.worker.checkpoint_sender import BlockSender, put_request_id
+from pdserve.worker.checkpoint.sender import BlockSender, put_request_id
 from pdserve.worker.engine_loop import _info_of
-from pdserve.worker.kv_outbox import destination_of
-from pdserve.worker.protocol import Reservation
+from pdserve.worker.kv.outbox import destination_of
 
 GREEDY = {"max_tokens": 40, "temperature": 0.0, "ignore_eos": True}
 PROMPT = list(range(5, 75))  # 70 tokens: four full blocks of 16, and a part

@@ -33,10 +33,10 @@ from worker_proc import WorkerHandle, launch_worker, router_process, wait_ready,
 
 from pdserve import LLM
 from pdserve.auth.signing import AUTH_HEADER
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import TransferRefused
 from pdserve.observability.exposition import Sample, parse, total
-from pdserve.router import sse
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.router.api import sse
 from pdserve.transfer.messages import KVLayout, token_digest
 from pdserve.transfer.sender import OutgoingTransfer, SendPolicy, send_with_retries
 from pdserve.transfer.sender_session import SenderSession

@@ -23,8 +23,8 @@ from cluster_auth import signed_headers, signed_reservation
 from worker_proc import WorkerHandle, launch_worker, router_process, wait_ready, worker_processes
 
 from pdserve import LLM
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.observability.exposition import Sample, parse, total
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.transfer.nixl_transport import nixl_available
 
 FRAME = str(256 << 10)

@@ -14,9 +14,9 @@ import pytest
 
 from pdserve.config import EngineConfig, ModelLoadConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import TransferRefused
 from pdserve.model.loader import LoadedModel, load_model
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.transfer.backoff import BackoffPolicy
 from pdserve.transfer.faulty import Fault, FaultAction, FaultPlan, FaultyStream
 from pdserve.transfer.messages import KVLayout, token_digest

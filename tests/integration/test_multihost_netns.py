@@ -49,7 +49,7 @@ from membership_proc import (
 )
 from netns import Lab, lab, require_netns
 
-from pdserve.router.worker_client import ClientTimeouts
+from pdserve.router.workers.client import ClientTimeouts
 
 pytest.importorskip("aetcd", reason="the etcd extra is not installed: pip install pdserve[etcd]")
 

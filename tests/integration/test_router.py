@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from worker_proc import launch_worker, router_process, wait_ready, worker_processes
 
-from pdserve.router import sse
+from pdserve.router.api import sse
 
 MODEL = "tiny-v1"
 

@@ -23,9 +23,9 @@ import pytest
 from cluster_auth import HTTP_KEY
 from worker_proc import WorkerHandle, launch_worker, router_process, wait_ready, worker_processes
 
-from pdserve.router.prefix_index import PrefixIndex
-from pdserve.router.worker_client import ClientTimeouts, WorkerClient
-from pdserve.worker.protocol import KVEventsRequest
+from pdserve.protocol.worker_api import KVEventsRequest
+from pdserve.router.placement.prefix_index import PrefixIndex
+from pdserve.router.workers.client import ClientTimeouts, WorkerClient
 
 MODEL = "tiny-v1"
 BLOCK_BYTES = 64 * 1024  # one block of the tiny model, every layer

@@ -19,7 +19,7 @@ from cluster_auth import SignedSession, signed_reservation, signed_session
 from worker_proc import WorkerHandle, launch_worker, wait_ready, worker_processes
 
 from pdserve import LLM
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.sampling import SamplingParams
 
 T = TypeVar("T")
 TIMEOUT = aiohttp.ClientTimeout(total=20)

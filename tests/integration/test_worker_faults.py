@@ -24,7 +24,7 @@ from cluster_auth import SignedSession, signed_model, signed_session
 from worker_proc import WorkerHandle, launch_worker, wait_ready, worker_processes
 
 from pdserve.faults import parse_rule
-from pdserve.worker.protocol import (
+from pdserve.protocol.worker_api import (
     DecodeRequest,
     FaultPlanBody,
     FaultState,

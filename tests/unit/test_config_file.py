@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from pdserve import cli
+from pdserve.cli.up import forwarded
 from pdserve.config_file import expand
 from pdserve.errors import ConfigError
 from pdserve.router.main import config_from_args
@@ -82,7 +83,7 @@ def test_pdserve_up_forwards_router_and_engine_flags(
         seen["config"] = config
         return 0
 
-    monkeypatch.setattr("pdserve.launcher.run_up", fake_run_up)
+    monkeypatch.setattr("pdserve.supervise.launcher.run_up", fake_run_up)
     cfg = write(tmp_path, "up.yaml", "max_num_seqs: 4\nserved_model_name: [m]\nmode: colocated\n")
     argv = ["up", "--config", str(cfg), "--no-enable-prefix-caching", "--max-model-len", "300",
             "--routing", "round_robin", "--max-reprefills", "0"]  # fmt: skip
@@ -111,8 +112,8 @@ def test_forwarded_skips_defaults() -> None:
     parser = argparse.ArgumentParser()
     actions = [parser.add_argument("--a", type=int, default=1),
                parser.add_argument("--b", action=argparse.BooleanOptionalAction, default=True)]  # fmt: skip
-    assert cli.forwarded(actions, parser.parse_args([])) == []
-    assert cli.forwarded(actions, parser.parse_args(["--a", "2", "--no-b"])) == [
+    assert forwarded(actions, parser.parse_args([])) == []
+    assert forwarded(actions, parser.parse_args(["--a", "2", "--no-b"])) == [
         "--a",
         "2",
         "--no-b",

@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import yaml
 
-from pdserve import cli
+from pdserve.cli.main import BUILTIN
 from pdserve.errors import ConfigError, PdserveError
 from pdserve.membership.uri import parse_discovery
 from pdserve.router import main as router_main
@@ -145,9 +145,10 @@ def pdserve_command(container: Doc, maps: dict[str, dict[str, str]]) -> tuple[st
     """("worker" | "router", the process's own argv) through the `pdserve` entry point."""
     command = container.get("command", [])
     assert command[:1] == ["pdserve"], f"{command}: not the pdserve entry point"
-    process = cli.process_command([*command[1:], *expand_args(container, maps)])
-    assert process is not None, f"{command}: not `pdserve worker` or `pdserve router`"
-    return process
+    name, *rest = [*command[1:], *expand_args(container, maps)]
+    assert name in ("worker", "router"), f"{command}: not `pdserve worker` or `pdserve router`"
+    assert BUILTIN[name].module == f"pdserve.{name}.main"
+    return name, rest[1:] if rest[:1] == ["--"] else rest
 
 
 def parse(parser: Any, argv: list[str]) -> Any:

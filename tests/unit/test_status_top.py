@@ -7,11 +7,11 @@ import math
 
 import pytest
 
-from pdserve import top
+from pdserve.cli import top
+from pdserve.cli.status import ClusterStatus, WorkerRow, fingerprint_groups, render_table
+from pdserve.cli.top import histogram_quantile, render_metrics
 from pdserve.observability.exposition import parse
 from pdserve.router.metrics import RouterMetrics
-from pdserve.status import ClusterStatus, WorkerRow, fingerprint_groups, render_table
-from pdserve.top import histogram_quantile, render_metrics
 
 
 def _rows() -> tuple[WorkerRow, ...]:
@@ -97,12 +97,12 @@ def test_top_once_draws_one_frame_without_escape_codes(monkeypatch: pytest.Monke
 
 
 def test_top_shows_interference_slo_attainment_and_the_auto_layout() -> None:
+    from pdserve.cli.top import render_interference
     from pdserve.clock import FakeClock
     from pdserve.observability.request_stats import RequestStats
-    from pdserve.router.interference import SLOConfig
-    from pdserve.router.live_monitor import LiveMonitor
-    from pdserve.top import render_interference
-    from pdserve.worker.protocol import StepInfo
+    from pdserve.protocol.worker_api import StepInfo
+    from pdserve.router.mode.interference import SLOConfig
+    from pdserve.router.mode.live_monitor import LiveMonitor
 
     monitor = LiveMonitor(SLOConfig(ttft_s=1.0, tpot_s=0.01), 10.0, FakeClock())
     tracker = monitor.begin(100, 4)
@@ -145,7 +145,7 @@ def test_status_shows_the_processes_of_its_pdserve_up_with_their_restarts(
     import json
     from pathlib import Path
 
-    from pdserve.status import read_processes
+    from pdserve.cli.status import read_processes
 
     state = Path(str(tmp_path)) / "up.json"
     children = [

@@ -8,7 +8,7 @@ import pytest
 
 from pdserve.cli import main
 from pdserve.errors import ConfigError
-from pdserve.launcher import UpConfig, check_router_args
+from pdserve.supervise.launcher import UpConfig, check_router_args
 
 
 @pytest.fixture(autouse=True)

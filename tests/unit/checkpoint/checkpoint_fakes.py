@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdserve.worker.kv_outbox import Destination
+from pdserve.worker.kv.outbox import Destination
 
 
 class FakeSender:

@@ -28,9 +28,9 @@ from pdserve.transfer.messages import Put
 from pdserve.transfer.receiver import KVReceiver, ReceiverLimits
 from pdserve.transfer.stream import Address, Buffer, ByteStream
 from pdserve.transfer.tcp import open_tcp_stream, serve_tcp
-from pdserve.worker.checkpoint_link import CheckpointLinks
-from pdserve.worker.checkpoint_link_server import LinkServer
-from pdserve.worker.checkpoint_store import CheckpointStore
+from pdserve.worker.checkpoint.link import CheckpointLinks
+from pdserve.worker.checkpoint.link_server import LinkServer
+from pdserve.worker.checkpoint.store import CheckpointStore
 from pdserve.worker.engine_loop import EngineInfo
 
 BS = 4

@@ -14,23 +14,8 @@ from pydantic import ValidationError
 from pdserve.checkpoint.host_tier import HostTier
 from pdserve.engine.block_manager import prefix_block_hashes
 from pdserve.errors import CheckpointRefused, PeerCallError
-from pdserve.router.checkpoint_plan import (
-    MAX_CACHE_SOURCES,
-    cache_sources,
-    choose_holder,
-    plan,
-    resume_on,
-    source,
-)
-from pdserve.router.config import RecoveryConfig
-from pdserve.router.policy import WorkerView
-from pdserve.transfer.receiver import IncomingTransfer
-from pdserve.worker.checkpoint_protocol import CheckpointLookup, CheckpointPut, CheckpointSend
-from pdserve.worker.checkpoint_resume import Path, _reason
-from pdserve.worker.checkpoint_store import CheckpointStore
-from pdserve.worker.engine_loop import EngineInfo
-from pdserve.worker.kv_outbox import Destination
-from pdserve.worker.protocol import (
+from pdserve.protocol.checkpoint_api import CheckpointLookup, CheckpointPut, CheckpointSend
+from pdserve.protocol.worker_api import (
     CheckpointPlan,
     KVEndpoint,
     Reservation,
@@ -38,6 +23,21 @@ from pdserve.worker.protocol import (
     SignedReservation,
     WorkerHealth,
 )
+from pdserve.router.config import RecoveryConfig
+from pdserve.router.flows.checkpoint_plan import (
+    MAX_CACHE_SOURCES,
+    cache_sources,
+    choose_holder,
+    plan,
+    resume_on,
+    source,
+)
+from pdserve.router.placement.policy import WorkerView
+from pdserve.transfer.receiver import IncomingTransfer
+from pdserve.worker.checkpoint.resume import Path, _reason
+from pdserve.worker.checkpoint.store import CheckpointStore
+from pdserve.worker.engine_loop import EngineInfo
+from pdserve.worker.kv.outbox import Destination
 
 BS = 4
 BLOCK_BYTES = 8

@@ -15,11 +15,11 @@ from checkpoint_fakes import FakeSender
 from pdserve.engine.block_manager import prefix_block_hashes
 from pdserve.engine.canary import ValueDigest
 from pdserve.errors import ConfigError, LinkUnsupported, PeerCallError, RequestNotFound
-from pdserve.worker.checkpoint_protocol import CheckpointOwner, CheckpointPut
-from pdserve.worker.checkpoint_stream import CheckpointStreams, on_tokens
+from pdserve.protocol.checkpoint_api import CheckpointOwner, CheckpointPut
+from pdserve.protocol.worker_api import CheckpointPlan, KVEndpoint, Reservation
+from pdserve.worker.checkpoint.stream import CheckpointStreams, on_tokens
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.engine_loop import EngineInfo
-from pdserve.worker.protocol import CheckpointPlan, KVEndpoint, Reservation
 
 BS = 4
 INFO = EngineInfo({}, "fp-a", 1, BS, 8, "float32", 64, 1024)

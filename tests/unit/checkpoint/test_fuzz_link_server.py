@@ -17,6 +17,7 @@ from dataclasses import replace
 from fuzz_support import fuzz_settings
 from hypothesis import event, given, note
 from hypothesis import strategies as st
+from memory_streams import memory_stream_pair
 
 from pdserve.checkpoint.host_tier import HostTier
 from pdserve.engine.block_manager import hash_block_tokens
@@ -24,12 +25,11 @@ from pdserve.errors import PdserveError
 from pdserve.transfer.codec import data_checksum, encode
 from pdserve.transfer.framing import read_frame
 from pdserve.transfer.link_session import LinkWriter
-from pdserve.transfer.memory import memory_stream_pair
 from pdserve.transfer.messages import Ack, Hello, Put
 from pdserve.transfer.receiver import KVReceiver, ReceiverLimits
 from pdserve.transfer.session import Outbound
-from pdserve.worker.checkpoint_link_server import LinkServer
-from pdserve.worker.checkpoint_store import CheckpointStore
+from pdserve.worker.checkpoint.link_server import LinkServer
+from pdserve.worker.checkpoint.store import CheckpointStore
 from pdserve.worker.engine_loop import EngineInfo
 
 BS = 2

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdserve.checkpoint.policy import CheckpointPolicy, Mode
 from pdserve.errors import ConfigError
+from pdserve.protocol.checkpoint_policy import CheckpointPolicy, Mode
 
 
 @pytest.mark.parametrize("text", ["off", "prompt", "every-1", "every-8"])

@@ -21,9 +21,9 @@ import torch
 from pdserve.config import EngineConfig, ModelLoadConfig
 from pdserve.engine.canary import CanaryMatch, ValueDigest, compare
 from pdserve.engine.engine import Engine
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import ProtocolError
 from pdserve.model.loader import LoadedModel, load_model
+from pdserve.protocol.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 

@@ -14,13 +14,13 @@ import torch
 
 from pdserve.config import EngineConfig, ModelLoadConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.loader import load_model
 from pdserve.model.triton_attention import (
     paged_decode_attention,
     paged_decode_reference,
     triton_available,
 )
+from pdserve.protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU: none is visible to this torch"

@@ -13,8 +13,8 @@ import torch
 from pdserve.config import EngineConfig, ModelLoadConfig
 from pdserve.engine.decode_graphs import DecodeGraphs
 from pdserve.engine.engine import Engine
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.loader import LoadedModel, load_model
+from pdserve.protocol.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

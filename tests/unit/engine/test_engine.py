@@ -10,9 +10,9 @@ import pytest
 
 from pdserve.config import EngineConfig, ModelLoadConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import ConfigError, PromptTooLong
 from pdserve.model.loader import LoadedModel, load_model
+from pdserve.protocol.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

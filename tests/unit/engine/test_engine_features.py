@@ -16,9 +16,9 @@ from openai_cases import SCHEMA
 from pdserve.config import EngineConfig, ModelLoadConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestDelta
-from pdserve.engine.sampling_params import GrammarKind, GrammarSpec, SamplingParams
 from pdserve.errors import GrammarError
 from pdserve.model.loader import LoadedModel, load_model
+from pdserve.protocol.sampling import GrammarKind, GrammarSpec, SamplingParams
 
 
 @pytest.fixture(scope="module")

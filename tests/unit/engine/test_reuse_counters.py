@@ -5,8 +5,8 @@ from __future__ import annotations
 from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
+from pdserve.protocol.sampling import SamplingParams
 
 BS = 4
 

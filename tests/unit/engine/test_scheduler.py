@@ -7,9 +7,9 @@ import pytest
 from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.errors import DuplicateRequest, KVNotReady, PromptTooLong, RequestNotFound
+from pdserve.protocol.sampling import SamplingParams
 
 
 def make(rid: str, n_prompt: int, max_tokens: int = 4, base: int = 0) -> Request:

@@ -9,14 +9,13 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 
 from pdserve.config import EngineConfig, ModelLoadConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestDelta
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import GrammarError
 from pdserve.model.loader import LoadedModel, load_model
+from pdserve.protocol.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -33,16 +32,16 @@ def engine(model: LoadedModel) -> Engine:
 
 
 class BrokenGrammar:
-    """Allows every token; raises in `allowed` or `accept` from the `at`-th token on."""
+    """Allows every token; raises in `bitmask` or `accept` from the `at`-th token on."""
 
     def __init__(self, vocab_size: int, where: str, at: int) -> None:
         self.vocab_size, self.where, self.at, self.seen = vocab_size, where, at, 0
         self.finished = False
 
-    def allowed(self) -> torch.Tensor:
-        if self.where == "allowed" and self.seen >= self.at:
+    def bitmask(self) -> bytes:
+        if self.where == "bitmask" and self.seen >= self.at:
             raise RuntimeError("grammar library crashed computing its mask")
-        return torch.ones(self.vocab_size, dtype=torch.bool)
+        return b"\xff" * (4 * ((self.vocab_size + 31) // 32))
 
     def accept(self, token_id: int) -> None:
         if self.where == "accept" and self.seen >= self.at:
@@ -75,7 +74,7 @@ def run(eng: Engine, broken: tuple[str, int] | None) -> dict[str, list[RequestDe
     return deltas
 
 
-@pytest.mark.parametrize("where", ["allowed", "accept"])
+@pytest.mark.parametrize("where", ["bitmask", "accept"])
 @pytest.mark.parametrize("at", [0, 4])
 def test_a_failing_request_ends_alone_and_the_others_are_unchanged(
     model: LoadedModel, where: str, at: int

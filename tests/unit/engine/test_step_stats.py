@@ -10,7 +10,6 @@ import pytest
 
 from pdserve.config import EngineConfig, ModelLoadConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.step_stats import (
     StepFacts,
     StepKind,
@@ -19,6 +18,7 @@ from pdserve.engine.step_stats import (
     is_decode_slice,
 )
 from pdserve.model.loader import LoadedModel, load_model
+from pdserve.protocol.sampling import SamplingParams
 
 
 def test_a_slice_is_decode_only_when_it_is_one_token_after_an_output_token() -> None:

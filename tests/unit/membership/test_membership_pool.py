@@ -7,8 +7,8 @@ from typing import Any
 
 from pdserve.errors import WorkerUnreachable
 from pdserve.membership import Member, StaticMembership
-from pdserve.router.pool import WorkerPool
-from pdserve.worker.protocol import WorkerHealth
+from pdserve.protocol.worker_api import WorkerHealth
+from pdserve.router.workers.pool import WorkerPool
 
 
 class StubClient:

@@ -11,8 +11,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from pdserve.errors import ConfigError, FingerprintMismatch
-from pdserve.model.attention import KV_LAYOUT_VERSION
 from pdserve.model.fingerprint import Fingerprint
+from pdserve.model.kv_layout import KV_LAYOUT_VERSION
 from pdserve.model.loader import load_model
 
 BASE = Fingerprint(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.observability import otel
-from pdserve.router.state import RequestState, RequestTimeline, Transition
+from pdserve.protocol.request_state import RequestState, RequestTimeline, Transition
 
 MS = 1_000_000
 

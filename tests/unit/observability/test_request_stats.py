@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.observability.request_stats import BREAKER_DETAIL, request_stats
-from pdserve.router.state import Reason, RequestState, RequestTimeline, Transition
+from pdserve.protocol.request_state import Reason, RequestState, RequestTimeline, Transition
 
 MS = 1_000_000
 

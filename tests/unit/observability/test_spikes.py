@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from pdserve.observability.phases import handoff_phases
 from pdserve.observability.spikes import SpikeDetector
-from pdserve.router.state import RequestState as S
-from pdserve.router.state import RequestTimeline, Transition
+from pdserve.protocol.request_state import RequestState as S
+from pdserve.protocol.request_state import RequestTimeline, Transition
 
 
 def _noisy(n: int, center: float, spread: float, seed: int = 0) -> list[float]:

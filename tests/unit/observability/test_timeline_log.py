@@ -9,7 +9,7 @@ import pytest
 
 from pdserve.observability.timeline_log import LOGGER_NAME, EventRing, TimelineEvent
 from pdserve.observability.timeline_merge import ProcessEvents, call_bounds, merge_events
-from pdserve.router.state import RequestState, Transition
+from pdserve.protocol.request_state import RequestState, Transition
 
 
 def test_the_ring_keeps_the_last_requests_whole() -> None:

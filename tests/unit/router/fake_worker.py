@@ -1,4 +1,4 @@
-"""An in-process fake worker implementing `pdserve.worker.protocol`, for router tests.
+"""An in-process fake worker implementing `pdserve.protocol.worker_api`, for router tests.
 
 It generates a fixed token script (`tokens[i]` for output token i), logs every call as
 (path, request_id) in `calls` (and every sampling it was sent in `samplings`), and can be told
@@ -19,9 +19,7 @@ from aiohttp.test_utils import TestServer
 from cluster_auth import HTTP_KEY
 
 from pdserve.auth.signing import CallVerifier
-from pdserve.worker.auth_middleware import auth_middleware
-from pdserve.worker.http_errors import error_middleware
-from pdserve.worker.protocol import (
+from pdserve.protocol.worker_api import (
     DecodeRequest,
     ErrorBody,
     GenerateRequest,
@@ -40,6 +38,8 @@ from pdserve.worker.protocol import (
     TokenEvent,
     WorkerHealth,
 )
+from pdserve.worker.http.auth_middleware import auth_middleware
+from pdserve.worker.http.error_status import error_middleware
 
 
 @dataclass(slots=True)

@@ -14,7 +14,7 @@ from fake_worker import FakeWorker
 
 from pdserve.router.app import create_app
 from pdserve.router.config import Mode, RouterConfig
-from pdserve.router.model_check import router_model_fields
+from pdserve.router.workers.model_check import router_model_fields
 
 
 @asynccontextmanager

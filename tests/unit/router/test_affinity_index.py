@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdserve.engine.block_manager import BlockManager, prefix_block_hashes
-from pdserve.router.prefix_index import PrefixIndex
+from pdserve.router.placement.prefix_index import PrefixIndex
 
 BS = 4
 

@@ -6,10 +6,10 @@ import pytest
 
 from pdserve.engine.block_manager import prefix_block_hashes
 from pdserve.errors import ConfigError
-from pdserve.router.affinity import AffinityPolicy, RouteQuery
+from pdserve.protocol.worker_api import Role, WorkerHealth
 from pdserve.router.config import AffinityConfig
-from pdserve.router.policy import WorkerView, rank_decode
-from pdserve.worker.protocol import Role, WorkerHealth
+from pdserve.router.placement.affinity import AffinityPolicy, RouteQuery
+from pdserve.router.placement.policy import WorkerView, rank_decode
 
 BS = 16
 # A conversation's history: 64 tokens the decode worker computed (4 whole blocks) ...

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from pdserve.errors import ConfigError
-from pdserve.router.auto_mode import (
+from pdserve.router.main import config_from_args
+from pdserve.router.mode.auto_mode import (
     Action,
     AutoConfig,
     AutoInputs,
@@ -28,9 +29,8 @@ from pdserve.router.auto_mode import (
     decide,
     prefill_count,
 )
-from pdserve.router.interference import DecodeFigures, LiveFigures, SLOConfig
-from pdserve.router.main import config_from_args
-from pdserve.router.mode_control import FiguresView
+from pdserve.router.mode.control import FiguresView
+from pdserve.router.mode.interference import DecodeFigures, LiveFigures, SLOConfig
 
 DATA = Path(__file__).parent / "data"
 SLO = SLOConfig(ttft_s=2.0, tpot_s=0.010)

@@ -6,8 +6,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdserve.clock import FakeClock
-from pdserve.router.breaker import BreakerState, CircuitBreaker
 from pdserve.router.config import BreakerConfig
+from pdserve.router.mode.breaker import BreakerState, CircuitBreaker
 
 CFG = BreakerConfig(window=10, min_samples=4, failure_rate=0.5, cooldown_s=5.0)
 

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from pdserve.errors import NoCapacity
-from pdserve.router.capacity_queue import CapacityQueue
+from pdserve.router.flows.capacity_queue import CapacityQueue
 
 
 def test_waiters_are_served_in_arrival_order_and_only_the_head_is_woken() -> None:

@@ -10,8 +10,8 @@ from pathlib import Path
 from fake_worker import FakeWorker
 from router_harness import completion, router, run
 
+from pdserve.protocol.worker_api import DecodeRequest, GenerateRequest
 from pdserve.router.config import RecoveryConfig
-from pdserve.worker.protocol import DecodeRequest, GenerateRequest
 
 TOKENS = [300, 301, 302, 303, 304, 305, 306, 307]
 

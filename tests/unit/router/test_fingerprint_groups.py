@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from pdserve.router.policy import (
+from pdserve.protocol.worker_api import Role, WorkerHealth
+from pdserve.router.placement.policy import (
     FieldDiff,
     WorkerView,
     fingerprint_groups,
     pairing_problems,
 )
-from pdserve.worker.protocol import Role, WorkerHealth
 
 BASE: dict[str, str | int | float] = {"dtype": "float32", "quantization": "none", "rope_theta": 1e4}
 

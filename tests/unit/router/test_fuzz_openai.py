@@ -39,9 +39,9 @@ from router_harness import router
 
 from pdserve.errors import InvalidRequest
 from pdserve.model.tokenizer import Tokenizer
-from pdserve.router import field_policy, sse
-from pdserve.router.json_body import read_object, validate
-from pdserve.router.openai_models import (
+from pdserve.router.api import field_policy, sse
+from pdserve.router.api.json_body import read_object, validate
+from pdserve.router.api.openai_models import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,

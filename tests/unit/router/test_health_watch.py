@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from test_affinity_policy import view
 
-from pdserve.router.health_watch import HealthDeadline
+from pdserve.router.workers.health_watch import HealthDeadline
 
 
 def test_a_worker_silent_past_the_deadline_is_drained_once_per_episode() -> None:

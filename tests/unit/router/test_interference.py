@@ -11,15 +11,15 @@ from pdserve.clock import FakeClock
 from pdserve.errors import ConfigError
 from pdserve.observability.exposition import parse, total
 from pdserve.observability.request_stats import RequestStats
-from pdserve.router.interference import (
+from pdserve.protocol.worker_api import StepInfo
+from pdserve.router.mode.interference import (
     DecodeTracker,
     InterferenceWindow,
     SLOConfig,
     SLOOutcome,
     slo_outcome,
 )
-from pdserve.router.live_monitor import LiveMonitor
-from pdserve.worker.protocol import StepInfo
+from pdserve.router.mode.live_monitor import LiveMonitor
 
 SLO = SLOConfig(ttft_s=1.0, tpot_s=0.010)
 

@@ -17,17 +17,17 @@ from pdserve.clock import FakeClock
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.observability.exposition import parse, total
 from pdserve.observability.request_stats import RequestStats
-from pdserve.router.auto_controller import AutoController
-from pdserve.router.auto_mode import Action, AutoConfig, Reason
+from pdserve.protocol.worker_api import StepInfo, WorkerHealth
 from pdserve.router.config import AffinityConfig
-from pdserve.router.dispatcher import Dispatcher
-from pdserve.router.flow import Flow
-from pdserve.router.interference import SLOConfig
-from pdserve.router.live_monitor import LiveMonitor
-from pdserve.router.policy import WorkerView, pick_prefill, rank_colocated, rank_decode
-from pdserve.router.roles import AssignedPool, RoleOverlay, assignable, choose_prefill
-from pdserve.router.worker_client import ClientTimeouts, WorkerClient
-from pdserve.worker.protocol import StepInfo, WorkerHealth
+from pdserve.router.flows.dispatcher import Dispatcher
+from pdserve.router.flows.flow import Flow
+from pdserve.router.mode.auto_controller import AutoController
+from pdserve.router.mode.auto_mode import Action, AutoConfig, Reason
+from pdserve.router.mode.interference import SLOConfig
+from pdserve.router.mode.live_monitor import LiveMonitor
+from pdserve.router.mode.roles import AssignedPool, RoleOverlay, assignable, choose_prefill
+from pdserve.router.placement.policy import WorkerView, pick_prefill, rank_colocated, rank_decode
+from pdserve.router.workers.client import ClientTimeouts, WorkerClient
 
 
 @pytest.fixture(scope="module")

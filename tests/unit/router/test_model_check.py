@@ -5,7 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from pdserve.model.loader import load_model
-from pdserve.router.model_check import ROUTER_FIELDS, describe, model_mismatch, router_model_fields
+from pdserve.router.workers.model_check import (
+    ROUTER_FIELDS,
+    describe,
+    model_mismatch,
+    router_model_fields,
+)
 
 
 def test_the_routers_fields_equal_a_real_workers_fingerprint(tiny_model_path: Path) -> None:
@@ -28,8 +33,8 @@ def test_a_differing_tokenizer_or_rope_is_named(tiny_model_path: Path) -> None:
 def test_the_pool_never_offers_a_worker_of_another_model(tiny_model_path: Path) -> None:
     import asyncio
 
-    from pdserve.router.pool import WorkerPool
-    from pdserve.worker.protocol import WorkerHealth
+    from pdserve.protocol.worker_api import WorkerHealth
+    from pdserve.router.workers.pool import WorkerPool
 
     fields = router_model_fields(tiny_model_path)
     ours = load_model(str(tiny_model_path)).fingerprint.to_dict()

@@ -11,8 +11,8 @@ import pytest
 from fake_worker import FakeWorker, fake_logprob
 from router_harness import completion, router, run
 
-from pdserve.router import sse
-from pdserve.router.fanout import choice_seed
+from pdserve.router.api import sse
+from pdserve.router.api.fanout import choice_seed
 
 
 @pytest.fixture

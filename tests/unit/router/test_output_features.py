@@ -10,9 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdserve.model.tokenizer import Tokenizer
-from pdserve.router.output import OutputStream
-from pdserve.router.stop import StopMatcher, first_stop_span
-from pdserve.worker.protocol import SamplingModel
+from pdserve.protocol.worker_api import SamplingModel
+from pdserve.router.api.output import OutputStream
+from pdserve.router.api.stop import StopMatcher, first_stop_span
 
 TEXT = st.text(alphabet="ab c", max_size=6)
 STOPS = st.lists(st.text(alphabet="ab c", min_size=1, max_size=3), min_size=1, max_size=3)

@@ -13,11 +13,11 @@ from router_harness import run
 from test_affinity_policy import HISTORY, NEXT, policy_with_history, query, urls, view
 
 from pdserve.engine.block_manager import prefix_block_hashes
-from pdserve.router.affinity import AffinityPolicy
-from pdserve.router.kv_feed import KVEventFeed
-from pdserve.router.prefix_index import FeedPosition, PrefixIndex
-from pdserve.router.worker_client import ClientTimeouts, WorkerClient
-from pdserve.worker.protocol import KVEventBatch, KVEventBatchKind
+from pdserve.protocol.worker_api import KVEventBatch, KVEventBatchKind
+from pdserve.router.placement.affinity import AffinityPolicy
+from pdserve.router.placement.prefix_index import FeedPosition, PrefixIndex
+from pdserve.router.workers.client import ClientTimeouts, WorkerClient
+from pdserve.router.workers.kv_feed import KVEventFeed
 
 W = "http://w0"
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from pdserve.protocol.request_state import Reason
 from pdserve.router.config import RECOVERY_STEPS
-from pdserve.router.recovery import RECOVERY, STEP_REASON, Budget, Failure, Step, next_step
-from pdserve.router.state import Reason
+from pdserve.router.flows.recovery import RECOVERY, STEP_REASON, Budget, Failure, Step, next_step
 
 ALL = RECOVERY_STEPS
 

@@ -11,11 +11,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.engine.sampling_params import GrammarKind, GrammarSpec, SamplingParams
 from pdserve.errors import InvalidRequest
 from pdserve.model.tokenizer import Tokenizer
-from pdserve.router.request_builder import BuilderConfig, RequestBuilder
-from pdserve.worker.protocol import SamplingModel
+from pdserve.protocol.sampling import GrammarKind, GrammarSpec, SamplingParams
+from pdserve.protocol.worker_api import SamplingModel
+from pdserve.router.api.request_builder import BuilderConfig, RequestBuilder
 
 SCALARS = st.one_of(
     st.none(), st.booleans(), st.integers(-5, 3000), st.floats(-5, 5), st.text(max_size=6)

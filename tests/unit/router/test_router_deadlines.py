@@ -23,15 +23,8 @@ from hypothesis import strategies as st
 from virtual_time import run_virtual
 
 from pdserve.errors import NoCapacity, RouterError, WorkerCallError, WorkerUnreachable
-from pdserve.router.affinity import AffinityPolicy
-from pdserve.router.app import error_reply
-from pdserve.router.colocated import ColocatedFlow
-from pdserve.router.config import AffinityConfig, RecoveryConfig
-from pdserve.router.disagg import DisaggFlow
-from pdserve.router.flow import FlowRequest
-from pdserve.router.policy import WorkerView
-from pdserve.router.state import RequestState, RequestTimeline
-from pdserve.worker.protocol import (
+from pdserve.protocol.request_state import RequestState, RequestTimeline
+from pdserve.protocol.worker_api import (
     DecodeRequest,
     ErrorBody,
     GenerateRequest,
@@ -47,6 +40,13 @@ from pdserve.worker.protocol import (
     TokenEvent,
     WorkerHealth,
 )
+from pdserve.router.app import error_reply
+from pdserve.router.config import AffinityConfig, RecoveryConfig
+from pdserve.router.flows.colocated import ColocatedFlow
+from pdserve.router.flows.disagg import DisaggFlow
+from pdserve.router.flows.flow import FlowRequest
+from pdserve.router.placement.affinity import AffinityPolicy
+from pdserve.router.placement.policy import WorkerView
 
 MAX_TOKENS = 6
 SCRIPT = [100 + i for i in range(MAX_TOKENS)]

@@ -15,7 +15,7 @@ from fake_worker import FakeWorker
 from router_harness import completion, router, run
 
 from pdserve.model.tokenizer import Tokenizer
-from pdserve.router import sse
+from pdserve.router.api import sse
 
 
 @pytest.fixture(scope="module")

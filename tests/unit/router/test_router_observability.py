@@ -18,8 +18,8 @@ from pdserve.model.tokenizer import Tokenizer
 from pdserve.observability.exposition import Sample, parse, total
 from pdserve.observability.phases import handoff_phases
 from pdserve.observability.timeline_log import LOGGER_NAME
+from pdserve.protocol.request_state import RequestState, Transition
 from pdserve.router.config import RouterConfig
-from pdserve.router.state import RequestState, Transition
 
 
 @pytest.fixture(scope="module")

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from pdserve.router.policy import (
+from pdserve.protocol.worker_api import Role, WorkerHealth
+from pdserve.router.placement.policy import (
     WorkerView,
     compatible_digest,
     pick_prefill,
     rank_colocated,
     rank_decode,
 )
-from pdserve.worker.protocol import Role, WorkerHealth
 
 
 def view(

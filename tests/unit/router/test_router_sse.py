@@ -7,8 +7,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from pdserve.router import sse
-from pdserve.router.openai_models import (
+from pdserve.router.api import sse
+from pdserve.router.api.openai_models import (
     ChatCompletionRequest,
     CompletionChoice,
     CompletionRequest,

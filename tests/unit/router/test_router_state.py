@@ -7,7 +7,13 @@ import itertools
 import pytest
 
 from pdserve.errors import IllegalRequestTransition
-from pdserve.router.state import TERMINAL, TRANSITIONS, Reason, RequestState, RequestTimeline
+from pdserve.protocol.request_state import (
+    TERMINAL,
+    TRANSITIONS,
+    Reason,
+    RequestState,
+    RequestTimeline,
+)
 
 S = RequestState
 DISAGG_PATH = [

@@ -9,8 +9,8 @@ from pathlib import Path
 from fake_worker import FakeWorker
 from router_harness import router, run
 
-from pdserve.bench.soak_plan import Malformed, malformed_case
-from pdserve.bench.soak_reference import PATHS
+from pdlab.soak.plan import Malformed, malformed_case
+from pdlab.soak.reference import PATHS
 
 
 def test_each_malformed_request_is_refused_naming_its_param(tiny_model_path: Path) -> None:

@@ -10,13 +10,13 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from pdserve.errors import WorkerUnreachable
-from pdserve.router.worker_client import ClientTimeouts, WorkerClient
-from pdserve.worker.protocol import (
+from pdserve.protocol.worker_api import (
     DecodeRequest,
     PrefillRequest,
     SamplingModel,
     TokenEvent,
 )
+from pdserve.router.workers.client import ClientTimeouts, WorkerClient
 
 
 async def _one_token_then_silence(request: web.Request) -> web.StreamResponse:

@@ -6,6 +6,7 @@ import struct
 
 import pytest
 import xxhash
+from frame_decoder import FrameDecoder
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -31,7 +32,6 @@ from pdserve.transfer.codec import (
     encode,
     verify_data,
 )
-from pdserve.transfer.decoder import FrameDecoder
 from pdserve.transfer.messages import (
     DATA_TYPES,
     MESSAGE_TYPES,

@@ -11,12 +11,12 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import pytest
+from memory_streams import memory_stream_pair
 
 from pdserve.errors import PeerClosed, StreamBroken, TransferError, TransferRefused
 from pdserve.faults import FaultInjector, FaultKind, FaultSite, Injection, parse_rules
 from pdserve.transfer.backoff import BackoffPolicy
 from pdserve.transfer.faulty import InjectorStream
-from pdserve.transfer.memory import memory_stream_pair
 from pdserve.transfer.messages import KVLayout, token_digest
 from pdserve.transfer.receiver import ChunkHook, IncomingTransfer, KVReceiver
 from pdserve.transfer.receiver_session import ReceivePlan

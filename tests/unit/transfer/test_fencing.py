@@ -20,13 +20,13 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from memory_streams import memory_stream_pair
 
 from pdserve.clock import FakeClock
 from pdserve.errors import LeaseError
 from pdserve.transfer.codec import Envelope, data_checksum, encode
 from pdserve.transfer.framing import read_frame
 from pdserve.transfer.lease import LeaseTable
-from pdserve.transfer.memory import memory_stream_pair
 from pdserve.transfer.messages import (
     PROTOCOL_VERSION,
     Begin,

@@ -1,7 +1,7 @@
 """Fuzz: the real `KVReceiver.handle` over in-memory stream pairs, with reservations registered
 and leased as the decode worker registers them, against damaged and concurrent senders.
 
-Set-up, as `worker/kv_inbox.py` wires it: two reservations (A: lease TTL 1 s, B: 50 s) from a
+Set-up, as `worker/kv/inbox.py` wires it: two reservations (A: lease TTL 1 s, B: 50 s) from a
 `LeaseKeeper` on a `FakeClock`, each an `IncomingTransfer` whose guard checks its lease and
 whose progress renews it, landing into blocks of one arena (guard bytes between blocks). A
 reservation's blocks are freed only after `KVReceiver.fence` returned, then overwritten at once
@@ -28,9 +28,11 @@ import asyncio
 import contextlib
 from dataclasses import dataclass, field
 
+from frame_decoder import FrameDecoder
 from fuzz_support import fuzz_settings, note
 from hypothesis import example, given
 from hypothesis import strategies as st
+from memory_streams import MemoryStream, memory_stream_pair
 from wire_fuzz import (
     BLOCK_BYTES,
     FP,
@@ -45,8 +47,6 @@ from wire_fuzz import script as sender_script
 
 from pdserve.clock import FakeClock
 from pdserve.errors import FrameTruncated, PdserveError
-from pdserve.transfer.decoder import FrameDecoder
-from pdserve.transfer.memory import MemoryStream, memory_stream_pair
 from pdserve.transfer.receiver import IncomingTransfer, KVReceiver, ReceiverLimits
 from pdserve.transfer.receiver_session import ReceivePlan
 from pdserve.transfer.sender import LeaseHandle

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
+from frame_decoder import FrameDecoder
 from fuzz_support import fuzz_settings, note, one_in
 from hypothesis import given
 from hypothesis import strategies as st
@@ -42,7 +43,6 @@ from pdserve.errors import (
 )
 from pdserve.transfer.byte_ranges import split_payload
 from pdserve.transfer.codec import Frame, data_checksum
-from pdserve.transfer.decoder import FrameDecoder
 from pdserve.transfer.messages import Ack, AckOf, Chunk, Commit, Nack, Renew
 from pdserve.transfer.receiver_session import ReceivePlan, ReceiverSession, ReceiverState
 from pdserve.transfer.sender_session import SenderSession, SenderState

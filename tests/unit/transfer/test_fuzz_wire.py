@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import pytest
 import xxhash
+from frame_decoder import FrameDecoder
 from fuzz_support import fuzz_settings, note
 from hypothesis import given
 from hypothesis import strategies as st
@@ -42,7 +43,6 @@ from pdserve.transfer.codec import (
     decode_header,
     verify_data,
 )
-from pdserve.transfer.decoder import FrameDecoder
 from pdserve.transfer.messages import PROTOCOL_VERSION, MsgType, decode_message, encode_body
 
 cuts = st.lists(st.integers(0, 2048), max_size=6)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from frame_decoder import FrameDecoder
 from fuzz_support import fuzz_settings
 from hypothesis import given
 from hypothesis import strategies as st
@@ -24,7 +25,6 @@ from pdserve.errors import (
     Unauthenticated,
 )
 from pdserve.transfer.codec import Envelope, Frame, data_checksum, encode
-from pdserve.transfer.decoder import FrameDecoder
 from pdserve.transfer.link_session import LinkHolder, LinkState, LinkWriter
 from pdserve.transfer.messages import MAX_PUT_TOKENS, Ack, AckOf, NackCode, Put, Role
 from pdserve.transfer.session import Outbound

@@ -11,6 +11,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
 import pytest
+from memory_streams import memory_stream_pair
 
 from pdserve.clock import FakeClock
 from pdserve.errors import (
@@ -23,7 +24,6 @@ from pdserve.errors import (
 from pdserve.transfer.backoff import BackoffPolicy
 from pdserve.transfer.faulty import Fault, FaultAction, FaultPlan, FaultyStream
 from pdserve.transfer.lease import Lease, LeaseTable
-from pdserve.transfer.memory import memory_stream_pair
 from pdserve.transfer.messages import KVLayout, token_digest
 from pdserve.transfer.receiver import IncomingTransfer, KVReceiver
 from pdserve.transfer.receiver_session import ReceivePlan

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from frame_decoder import FrameDecoder
 
 from pdserve.clock import FakeClock
 from pdserve.errors import (
@@ -24,7 +25,6 @@ from pdserve.errors import (
     UnsupportedVersion,
 )
 from pdserve.transfer.codec import Envelope, Frame, data_checksum, encode
-from pdserve.transfer.decoder import FrameDecoder
 from pdserve.transfer.lease import LeaseTable
 from pdserve.transfer.messages import (
     PROTOCOL_VERSION,

@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from memory_streams import memory_stream_pair
 
 from pdserve.errors import PeerClosed, StreamBroken
 from pdserve.transfer.faulty import Fault, FaultAction, FaultPlan, FaultyStream
-from pdserve.transfer.memory import memory_stream_pair
 from pdserve.transfer.nixl_transport import (
     nixl_available,
     nixl_spares_settled,

@@ -16,9 +16,9 @@ import pytest
 from pdserve.config import EngineConfig, ModelLoadConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestDelta
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import NoFreeBlocks, PromptTooLong
 from pdserve.model.loader import LoadedModel, load_model
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.worker.engine_loop import DeltaQueue, EngineLoop
 
 T = TypeVar("T")

@@ -1,4 +1,4 @@
-"""Fuzz: random JSON against the worker protocol (`worker/protocol.py`), its models and a real
+"""Fuzz: random JSON against the worker protocol (`protocol/worker_api.py`), its models and a real
 worker's control API in-process.
 
 What is fuzzed:
@@ -51,9 +51,9 @@ from pdserve import errors
 from pdserve.clock import FakeClock
 from pdserve.config import EngineConfig, ModelLoadConfig
 from pdserve.engine.sampler import draw_key
-from pdserve.worker import protocol
+from pdserve.protocol import worker_api as protocol
 from pdserve.worker.config import WorkerConfig
-from pdserve.worker.http_errors import error_response
+from pdserve.worker.http.error_status import error_response
 from pdserve.worker.lease_keeper import LeaseKeeper
 from pdserve.worker.server import Worker
 

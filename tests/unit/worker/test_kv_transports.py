@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 
 from pdserve.errors import ConfigError, TransportUnavailable
-from pdserve.worker.kv_transports import (
+from pdserve.protocol.worker_api import KVEndpoint
+from pdserve.worker.kv.transports import (
     DIFFERENT_HOSTS,
     NOT_ON_SENDER,
     choose,
     local_transports,
     parse_address,
 )
-from pdserve.worker.protocol import KVEndpoint
 
 
 def offer(*transports: str, host: str = "h1") -> list[KVEndpoint]:

@@ -12,11 +12,11 @@ import pytest
 
 from pdserve.clock import FakeClock
 from pdserve.errors import ChecksumMismatch, NoFreeBlocks, PromptTooLong, RequestNotFound, WrongRole
+from pdserve.protocol.worker_api import GenerateRequest
 from pdserve.worker.config import WorkerConfig
-from pdserve.worker.http_errors import error_response
+from pdserve.worker.http.error_status import error_response
 from pdserve.worker.lease_keeper import LeaseKeeper
 from pdserve.worker.main import build_config, build_parser, main
-from pdserve.worker.protocol import GenerateRequest
 from pdserve.worker.server import write_ready_file
 
 
@@ -137,7 +137,7 @@ def test_a_stream_whose_reader_left_ends_quietly_and_other_faults_still_raise() 
 
     import aiohttp
 
-    from pdserve.worker.token_stream import end_stream
+    from pdserve.worker.http.token_stream import end_stream
 
     gone = _Closing(aiohttp.ClientConnectionResetError("Cannot write to closing transport"))
     asyncio.run(end_stream(gone))  # type: ignore[arg-type]

@@ -1,0 +1,104 @@
+"""`pdserve bench engine|serve|transfer|multiturn|gpu-check`: benchmarks that print a table
+and write JSON with ratios, both sides measured in the same run.
+
+Light at import (argparse only); each benchmark's code is imported when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from pdserve.cli.command import DEVICES, DTYPES, add_model_flags, positive_int, run
+
+HELP = "benchmarks that print a table and ratios (engine, serve, transfer, multiturn, gpu-check)"
+
+# `--model-shape` choices: "tiny" and `model_shapes.SHAPES`, spelled out here so the parser
+# builds without importing torch; a unit test keeps them equal.
+MODEL_SHAPES = ("tiny", "smollm-135m")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmarks' parser, one subcommand each."""
+    b = argparse.ArgumentParser(prog="pdserve bench", description=__doc__.splitlines()[0])
+    bsub = b.add_subparsers(dest="bench", required=True)
+    be = bsub.add_parser("engine", help="engine tokens/s vs transformers, prefix-cache TTFT")
+    add_model_flags(be)
+    be.add_argument("--json", default=None, help="write the results as JSON to this file")
+    be.add_argument("--quick", action="store_true", help="smaller workloads (CI smoke run)")
+    be.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=3,
+        help="timed runs of each case per side, alternating (median counts; --quick: 1)",
+    )
+    be.add_argument(
+        "--batch",
+        action="append",
+        type=positive_int,
+        default=None,
+        help="size of a mixed-length batch case (repeatable; default 32, or 8 with --quick)",
+    )
+    be.add_argument(
+        "--model-shape",
+        action="append",
+        choices=MODEL_SHAPES,
+        default=None,
+        help="measure this shape (repeatable; default: both, or tiny with --quick); a random"
+        " checkpoint of the shape is written by transformers, nothing is downloaded",
+    )
+    bg = bsub.add_parser(
+        "gpu-check", help="parity, engine speed and a disaggregated run on a GPU (JSON)"
+    )
+    bg.add_argument("--device", choices=DEVICES, default="cuda")
+    bg.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="of the speed runs")
+    bg.add_argument("--quick", action="store_true", help="small everything (the CPU smoke run)")
+    bg.add_argument("--json", default=None, help="write the report here")
+    bm = bsub.add_parser(
+        "multiturn", help="multi-turn chats: round-robin vs affinity routing on local clusters"
+    )
+    from pdlab.bench.multiturn import add_arguments
+
+    add_arguments(bm)
+    bs = bsub.add_parser(
+        "serve", help="Poisson load per rate: goodput under TTFT/TPOT SLOs, disagg vs colocated"
+    )
+    from pdserve.advise.goodput import add_arguments as add_serve_arguments
+
+    add_serve_arguments(bs)
+    bt = bsub.add_parser(
+        "transfer",
+        help="KV handoffs per transport (tcp, shm, nixl) vs memcpy and a raw socket;"
+        " TTFT overhead of the split",
+    )
+    from pdlab.bench.transfer_command import add_arguments as add_transfer_arguments
+
+    add_transfer_arguments(bt)
+    return b
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if args.bench == "transfer":
+        from pdlab.bench.transfer_command import run_transfer_bench
+
+        return run_transfer_bench(args)
+    if args.bench == "serve":
+        from pdserve.advise.goodput import run_serve_bench
+
+        return run_serve_bench(args)
+    if args.bench == "multiturn":
+        from pdlab.bench.multiturn import run_multiturn_bench
+
+        return run_multiturn_bench(args)
+    if args.bench == "gpu-check":
+        from pdlab.bench.gpu_check import run_gpu_check
+
+        return run_gpu_check(args)
+    from pdlab.bench.engine import run_engine_bench
+
+    return run_engine_bench(args)
+
+
+def main(argv: Sequence[str]) -> int:
+    """Run one benchmark (they start local clusters: SIGTERM stops them by PID)."""
+    return run("bench", build_parser(), _bench, argv, stop_on_sigterm=True)

@@ -1,0 +1,1 @@
+"""`pdserve chaos`: fault scenarios against real local clusters, each judged by what clients saw."""

@@ -1,0 +1,93 @@
+"""Logprobs in the shapes OpenAI (and vLLM's server) return them. Pure.
+
+Completions: `{tokens, token_logprobs, top_logprobs, text_offset}`, one entry per token of the
+choice's text; with `echo` the prompt's tokens come first and the very first prompt token has
+`None` (nothing predicts it). `top_logprobs` maps token text to logprob for the requested number
+of alternatives plus the chosen token (as vLLM does). Chat: `{content: [{token, logprob, bytes,
+top_logprobs: [{token, logprob, bytes}]}]}` with exactly `top_logprobs` alternatives.
+
+A token's text is its own decode (special tokens included), so a byte-level token holding part
+of a UTF-8 character reads as U+FFFD, as in vLLM. Values are the worker's float32 logprobs
+unchanged, floored at -9999.0 (vLLM's floor) so JSON never carries -inf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pdserve.model.tokenizer import Tokenizer
+from pdserve.protocol.worker_api import LogprobModel
+from pdserve.router.api.openai_models import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    CompletionLogprobs,
+)
+
+_FLOOR = -9999.0
+
+
+class TokenTexts:
+    """Each token id's own text, decoded once."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            if len(self._cache) < 200_000:
+                self._cache[token_id] = text
+        return text
+
+
+def _value(logprob: float) -> float:
+    return max(logprob, _FLOOR)
+
+
+def completion_logprobs(
+    texts: TokenTexts,
+    token_ids: Sequence[int],
+    entries: Sequence[LogprobModel | None],
+    text_offsets: Sequence[int],
+) -> CompletionLogprobs:
+    """The completions `logprobs` object for `token_ids` (entry None: no logprob there)."""
+    tokens = [texts(t) for t in token_ids]
+    top: list[dict[str, float] | None] = []
+    for token, entry in zip(tokens, entries, strict=True):
+        if entry is None:
+            top.append(None)
+            continue
+        alternatives = {
+            texts(t): _value(v)
+            for t, v in zip(entry.top_token_ids, entry.top_logprobs, strict=True)
+        }
+        alternatives.setdefault(token, _value(entry.logprob))
+        top.append(alternatives)
+    return CompletionLogprobs(
+        tokens=tokens,
+        token_logprobs=[None if e is None else _value(e.logprob) for e in entries],
+        top_logprobs=top,
+        text_offset=list(text_offsets),
+    )
+
+
+def _top(texts: TokenTexts, token_id: int, logprob: float) -> ChatTopLogprob:
+    text = texts(token_id)
+    return ChatTopLogprob(token=text, logprob=_value(logprob), bytes=list(text.encode()))
+
+
+def chat_logprobs(texts: TokenTexts, entries: Sequence[LogprobModel]) -> ChatLogprobs:
+    """The chat `logprobs` object for output tokens with these entries."""
+    content = []
+    for e in entries:
+        top = [_top(texts, t, v) for t, v in zip(e.top_token_ids, e.top_logprobs, strict=True)]
+        chosen = _top(texts, e.token_id, e.logprob)
+        content.append(
+            ChatTokenLogprob(
+                token=chosen.token, logprob=chosen.logprob, bytes=chosen.bytes, top_logprobs=top
+            )
+        )
+    return ChatLogprobs(content=content)

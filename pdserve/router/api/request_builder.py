@@ -1,0 +1,325 @@
+"""From a client's JSON body to a validated `Job`: fields, prompts, sampling, limits. Pure.
+
+Order: top-level fields screened (`field_policy`: unknown and unimplemented fields refused,
+naming them) → the endpoint's pydantic model → the model name → prompts as token ids (text,
+token ids, a list of either; chat messages through the chat template, text content parts
+joined) → sampling parameters (`SamplingParams` checks ranges; the message's first word is
+the OpenAI `param`) → structured output compiled once here, so a schema the grammar library
+rejects is a 400 naming the problem, never a worker error → context length per prompt.
+Every refusal is an `InvalidRequest` (400) with `param` set.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+import uuid
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+
+from pdserve.engine.grammar import GrammarCompiler
+from pdserve.errors import (
+    GrammarError,
+    GrammarUnavailable,
+    InvalidRequest,
+    ModelConfigError,
+    SamplingParamsError,
+)
+from pdserve.model.tokenizer import Tokenizer
+from pdserve.protocol.sampling import GrammarKind, GrammarSpec, SamplingParams
+from pdserve.protocol.worker_api import SamplingModel
+from pdserve.router.api import field_policy
+from pdserve.router.api.json_body import validate
+from pdserve.router.api.openai_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+)
+from pdserve.router.api.responses import Job, PromptInput
+
+# Choices one request may ask for (n, or best_of), and prompts one request may carry.
+MAX_CHOICES = 64
+MAX_PROMPTS = 256
+_SEED_LIMIT = 1 << 63
+_M = TypeVar("_M", bound=BaseModel)
+
+
+@dataclass(frozen=True, slots=True)
+class BuilderConfig:
+    """What the builder needs from the router's configuration."""
+
+    # Names a request's `model` may use (--served-model-name, else the model folder's name).
+    model_names: tuple[str, ...]
+    # Longest prompt + output (the model's, or --max-model-len).
+    max_model_len: int
+    # Drop unknown top-level fields instead of refusing them (--allow-unknown-fields).
+    allow_unknown_fields: bool = False
+
+
+class RequestBuilder:
+    """Builds jobs for one tokenizer and configuration."""
+
+    def __init__(self, config: BuilderConfig, tokenizer: Tokenizer) -> None:
+        self._config = config
+        self._tokenizer = tokenizer
+        self._grammars = GrammarCompiler(
+            tokenizer.to_json, tokenizer.vocab_size, tokenizer.eos_token_ids
+        )
+
+    def completion(self, data: dict[str, Any]) -> Job:
+        """A POST /v1/completions body as a job."""
+        body = self._validate(data, CompletionRequest, "completion")
+        prompts = self._prompts(body.prompt)
+        echo_only = body.max_tokens == 0
+        if echo_only and not body.echo:
+            raise InvalidRequest("max_tokens: 0 is only allowed with echo", "max_tokens")
+        max_tokens = 1 if echo_only else _or(body.max_tokens, 16)
+        best_of = _or(body.best_of, body.n)
+        if not body.n <= best_of <= MAX_CHOICES:
+            raise InvalidRequest(
+                f"best_of: must be in [n={body.n}, {MAX_CHOICES}], got {best_of}", "best_of"
+            )
+        if body.stream and best_of > body.n:
+            raise InvalidRequest("best_of: must equal n when streaming", "best_of")
+        # best_of ranks samples by total logprob: they are needed even if not returned.
+        logprobs = body.logprobs if best_of == body.n else max(body.logprobs or 0, 0)
+        sampling = self._sampling(body, max_tokens, logprobs, body.logprobs if body.echo else None)
+        for p in prompts:
+            self._check_context(p, max_tokens, "prompt")
+        return self._job("completion", "cmpl", body, prompts, sampling, best_of,
+                         body.logprobs, body.echo, echo_only)  # fmt: skip
+
+    def chat(self, data: dict[str, Any]) -> Job:
+        """A POST /v1/chat/completions body as a job."""
+        body = self._validate(data, ChatCompletionRequest, "chat")
+        messages: list[dict[str, Any]] = []
+        for i, m in enumerate(body.messages):
+            for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+                if part.type != "text" or part.text is None:
+                    raise InvalidRequest(
+                        f"messages[{i}].content[{j}]: content part type {part.type!r} is not"
+                        " supported (text parts only)",
+                        "messages",
+                    )
+            message: dict[str, Any] = {"role": m.role, "content": m.text() or ""}
+            if m.name is not None:
+                message["name"] = m.name
+            messages.append(message)
+        try:
+            ids = self._tokenizer.encode_chat(messages, body.add_generation_prompt)
+        except ModelConfigError as exc:
+            raise InvalidRequest(f"messages: {exc}", "messages") from exc
+        prompt = PromptInput(ids, "")
+        # OpenAI's default for chat is "until the context is full".
+        default = max(self._config.max_model_len - len(ids), 1)
+        max_tokens = _or(body.max_completion_tokens, _or(body.max_tokens, default))
+        # An error about the output limit names the field the client actually sent.
+        limit = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        if body.top_logprobs is not None and not body.logprobs:
+            raise InvalidRequest("top_logprobs: needs logprobs set to true", "top_logprobs")
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        sampling = self._sampling(body, max_tokens, top, None, limit)
+        self._check_context(prompt, max_tokens, "messages", limit)
+        return self._job("chat", "chatcmpl", body, [prompt], sampling, body.n, top, False, False)
+
+    # ---- parts -----------------------------------------------------------------------------
+
+    def _validate(self, data: dict[str, Any], model: type[_M], kind: str) -> _M:
+        kept = field_policy.screen(data, model, kind, self._config.allow_unknown_fields)
+        body = validate(model, kept)
+        assert isinstance(body, SamplingFields)
+        if body.model not in self._config.model_names:
+            raise InvalidRequest(
+                f"model: {body.model!r} is not served here (serving"
+                f" {', '.join(repr(n) for n in self._config.model_names)})",
+                "model",
+                "model_not_found",
+            )
+        if not 1 <= body.n <= MAX_CHOICES:
+            raise InvalidRequest(f"n: must be in [1, {MAX_CHOICES}], got {body.n}", "n")
+        return body
+
+    def _prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[PromptInput]:
+        if isinstance(prompt, str):
+            items: list[str | list[int]] = [prompt]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            items = [list(prompt)]  # type: ignore[arg-type]
+        else:
+            items = list(prompt)  # type: ignore[arg-type]
+        if not items or len(items) > MAX_PROMPTS:
+            raise InvalidRequest(
+                f"prompt: must hold 1 to {MAX_PROMPTS} prompts, got {len(items)}", "prompt"
+            )
+        prompts = []
+        vocab = self._tokenizer.vocab_size
+        for i, item in enumerate(items):
+            where = "prompt" if len(items) == 1 else f"prompt[{i}]"
+            if isinstance(item, str):
+                if not item:
+                    raise InvalidRequest(f"{where}: must not be empty", "prompt")
+                prompts.append(PromptInput(self._tokenizer.encode(item), item))
+                continue
+            bad = [t for t in item if not 0 <= t < vocab]
+            if not item or bad:
+                raise InvalidRequest(
+                    f"{where}: token ids must be a non-empty list in [0, {vocab}), got"
+                    f" {bad[:5] or 'an empty list'}",
+                    "prompt",
+                )
+            prompts.append(PromptInput(item, self._tokenizer.decode(item)))
+        return prompts
+
+    def _sampling(
+        self,
+        body: SamplingFields,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        limit_param: str = "max_tokens",
+    ) -> SamplingModel:
+        if body.seed is not None and not 0 <= body.seed < _SEED_LIMIT:
+            raise InvalidRequest(f"seed: must be in [0, 2**63), got {body.seed}", "seed")
+        try:
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=body.temperature,
+                top_k=body.top_k,
+                top_p=body.top_p,
+                min_p=body.min_p,
+                # Drawn here when absent, so the prefill, decode and any migration target all
+                # sample with one seed: a replay then continues the same random stream.
+                seed=body.seed if body.seed is not None else secrets.randbits(63),
+                stop=tuple(body.stop_list()),
+                stop_token_ids=tuple(self._token_ids(body.stop_token_ids or [], "stop_token_ids")),
+                ignore_eos=body.ignore_eos,
+                min_tokens=body.min_tokens,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty,
+                logit_bias=self._logit_bias(body.logit_bias),
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                grammar=self._grammar(body),
+            )
+        except SamplingParamsError as exc:
+            field, _, rest = str(exc).partition(":")
+            if field == "max_tokens":
+                raise InvalidRequest(f"{limit_param}:{rest}", limit_param) from exc
+            raise InvalidRequest(str(exc), field) from exc
+        return SamplingModel.from_params(params)
+
+    def _token_ids(self, ids: Collection[int], param: str) -> list[int]:
+        vocab = self._tokenizer.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"{param}: token ids {bad[:5]} outside [0, {vocab})", param)
+        return list(ids)
+
+    def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+        if not bias:
+            return ()
+        pairs = []
+        for key, value in bias.items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise InvalidRequest(
+                    f"logit_bias: keys must be token ids, got {key!r}", "logit_bias"
+                ) from None
+            pairs.append((token_id, value))
+        self._token_ids([t for t, _ in pairs], "logit_bias")
+        return tuple(sorted(pairs))
+
+    def _grammar(self, body: SamplingFields) -> GrammarSpec | None:
+        specs: list[tuple[str, GrammarSpec]] = []
+        fmt = body.response_format
+        if fmt is not None and fmt.type == "json_object":
+            specs.append(
+                ("response_format", GrammarSpec(GrammarKind.JSON_SCHEMA, '{"type":"object"}'))
+            )
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+                raise InvalidRequest(
+                    "response_format: type json_schema needs json_schema.schema",
+                    "response_format",
+                )
+            source = json.dumps(fmt.json_schema.json_schema)
+            specs.append(("response_format", GrammarSpec(GrammarKind.JSON_SCHEMA, source)))
+        if body.guided_json is not None:
+            source = (
+                body.guided_json
+                if isinstance(body.guided_json, str)
+                else json.dumps(body.guided_json)
+            )
+            specs.append(("guided_json", GrammarSpec(GrammarKind.JSON_SCHEMA, source)))
+        if body.guided_regex is not None:
+            specs.append(("guided_regex", GrammarSpec(GrammarKind.REGEX, body.guided_regex)))
+        if body.guided_choice is not None:
+            source = json.dumps(body.guided_choice)
+            specs.append(("guided_choice", GrammarSpec(GrammarKind.CHOICE, source)))
+        if body.guided_grammar is not None:
+            specs.append(("guided_grammar", GrammarSpec(GrammarKind.GRAMMAR, body.guided_grammar)))
+        if not specs:
+            return None
+        if len(specs) > 1:
+            names = ", ".join(name for name, _ in specs)
+            raise InvalidRequest(f"{specs[1][0]}: only one of {names} may be given", specs[1][0])
+        param, spec = specs[0]
+        try:
+            self._grammars.check(spec)
+        except (GrammarError, GrammarUnavailable) as exc:
+            raise InvalidRequest(f"{param}: {exc}", param, "invalid_grammar") from exc
+        return spec
+
+    def _check_context(
+        self, prompt: PromptInput, max_tokens: int, param: str, limit_param: str = "max_tokens"
+    ) -> None:
+        limit = self._config.max_model_len
+        n = len(prompt.token_ids)
+        if n >= limit:
+            raise InvalidRequest(
+                f"{param}: the prompt has {n} tokens; this model's context is {limit} tokens"
+                " (max_model_len)",
+                param,
+                "context_length_exceeded",
+            )
+        if n + max_tokens > limit:
+            raise InvalidRequest(
+                f"{limit_param}: prompt ({n} tokens) + {limit_param} ({max_tokens}) exceeds"
+                f" this model's context of {limit} tokens",
+                limit_param,
+                "context_length_exceeded",
+            )
+
+    def _job(
+        self,
+        kind: str,
+        prefix: str,
+        body: SamplingFields,
+        prompts: list[PromptInput],
+        sampling: SamplingModel,
+        best_of: int,
+        top_logprobs: int | None,
+        echo: bool,
+        echo_only: bool,
+    ) -> Job:
+        return Job(
+            kind=kind,
+            request_id=f"{prefix}-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            body=body,
+            prompts=prompts,
+            sampling=sampling,
+            best_of=best_of,
+            top_logprobs=top_logprobs,
+            echo=echo,
+            echo_only=echo_only,
+        )
+
+
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value

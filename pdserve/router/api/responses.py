@@ -1,0 +1,280 @@
+"""OpenAI response bodies for one request: whole responses, streamed chunks, errors. Pure.
+
+`Job` is a validated request on its way through its flows (what every builder needs: id,
+creation time, the client's body, the prompts and the sampling); `ChoiceResult` is one
+choice's output as it accumulates. Completion chunks reuse the `text_completion` object as
+OpenAI does; chat chunks carry a `delta`, the role on the first one; a usage chunk
+(`stream_options.include_usage`) has no choices. Usage sums every prompt (once each) and every
+returned choice; `prompt_tokens_details.cached_tokens` is what the workers' prefix caches
+supplied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel
+
+from pdserve.protocol.worker_api import LogprobModel, SamplingModel
+from pdserve.router.api.logprobs_format import TokenTexts, chat_logprobs, completion_logprobs
+from pdserve.router.api.openai_models import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    ErrorDetail,
+    ErrorResponse,
+    PromptTokensDetails,
+    SamplingFields,
+    Usage,
+)
+from pdserve.router.api.output import OutputStream
+
+
+@dataclass(frozen=True, slots=True)
+class PromptInput:
+    """One prompt: its token ids and its text (echoed with `echo`)."""
+
+    token_ids: list[int]
+    text: str
+
+
+@dataclass(slots=True)
+class Job:
+    """One validated request on its way through its flows."""
+
+    kind: str  # "completion" or "chat"
+    request_id: str
+    created: int
+    body: SamplingFields
+    prompts: list[PromptInput]
+    # The base sampling: choice k of each prompt runs with `fanout.choice_seed(seed, k)`.
+    sampling: SamplingModel
+    # Samples per prompt (>= n; the n with the highest total logprob are returned).
+    best_of: int = 1
+    # Logprob alternatives the client asked for per token; None: no logprobs in the answer.
+    top_logprobs: int | None = None
+    # Completions: prepend the prompt to each choice; echo_only: and generate nothing.
+    echo: bool = False
+    echo_only: bool = False
+
+    @property
+    def n(self) -> int:
+        """Choices returned per prompt."""
+        return self.body.n
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The first (usually only) prompt's token ids."""
+        return self.prompts[0].token_ids
+
+
+@dataclass(slots=True)
+class ChoiceResult:
+    """One choice's output so far."""
+
+    index: int
+    prompt: PromptInput
+    output: OutputStream
+    text: str = ""
+    # One per accepted output token when logprobs were computed.
+    logprobs: list[LogprobModel] = field(default_factory=list)
+    prompt_logprobs: list[LogprobModel] | None = None
+    num_cached_tokens: int | None = None
+
+    @property
+    def total_logprob(self) -> float:
+        """Sum of the output tokens' logprobs (best_of ranks by it)."""
+        return sum(lp.logprob for lp in self.logprobs)
+
+
+def usage(job: Job, choices: Sequence[ChoiceResult]) -> Usage:
+    """Token counts of these choices (so far, while streaming)."""
+    num_prompt = sum(len(p.token_ids) for p in job.prompts)
+    num_completion = sum(c.output.num_tokens for c in choices)
+    cached: dict[int, int] = {}
+    for c in choices:
+        if c.num_cached_tokens is not None:
+            cached.setdefault(id(c.prompt), c.num_cached_tokens)
+    return Usage(
+        prompt_tokens=num_prompt,
+        completion_tokens=num_completion,
+        total_tokens=num_prompt + num_completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached.values())),
+    )
+
+
+def echo_logprobs(
+    job: Job, texts: TokenTexts, choice: ChoiceResult, prompt_offsets: Sequence[int]
+) -> CompletionLogprobs | None:
+    """Logprobs of the echoed prompt (first token: none), or None if not asked."""
+    if job.top_logprobs is None:
+        return None
+    entries: list[LogprobModel | None] = [None, *(choice.prompt_logprobs or [])]
+    ids = choice.prompt.token_ids
+    entries = (entries + [None] * len(ids))[: len(ids)]
+    return completion_logprobs(texts, ids, entries, prompt_offsets)
+
+
+def output_logprobs(
+    job: Job,
+    texts: TokenTexts,
+    token_ids: Sequence[int],
+    entries: Sequence[LogprobModel],
+    offsets: Sequence[int],
+) -> CompletionLogprobs | ChatLogprobs | None:
+    """Logprobs of these output tokens in the job's shape, or None if not asked."""
+    if job.top_logprobs is None:
+        return None
+    if job.kind == "chat":
+        return chat_logprobs(texts, [_trim(e, job.top_logprobs) for e in entries])
+    return completion_logprobs(
+        texts, token_ids, [_trim(e, job.top_logprobs) for e in entries], offsets
+    )
+
+
+def _trim(entry: LogprobModel, num_top: int) -> LogprobModel:
+    # best_of computes logprobs the client did not ask for: return only what was asked.
+    if len(entry.top_token_ids) <= num_top:
+        return entry
+    return entry.model_copy(
+        update={
+            "top_token_ids": entry.top_token_ids[:num_top],
+            "top_logprobs": entry.top_logprobs[:num_top],
+        }
+    )
+
+
+def chunk(
+    job: Job,
+    index: int,
+    text: str,
+    finish_reason: str | None,
+    token_ids: list[int] | None = None,
+    logprobs: CompletionLogprobs | ChatLogprobs | None = None,
+    usage: Usage | None = None,
+) -> BaseModel:
+    """One streamed chunk adding `text` to choice `index` (finish_reason on the last);
+    `token_ids` when asked, `logprobs` of the chunk's tokens, `usage` so far if asked."""
+    ids = token_ids if job.body.return_token_ids else None
+    if job.kind == "chat":
+        chat_lp = logprobs if isinstance(logprobs, ChatLogprobs) else None
+        chunk = chat_chunk(job, index, ChatDelta(content=text), finish_reason, ids, chat_lp)
+        chunk.usage = usage
+        return chunk
+    lp = logprobs if isinstance(logprobs, CompletionLogprobs) else None
+    choice = CompletionChoice(
+        index=index, text=text, finish_reason=finish_reason, token_ids=ids, logprobs=lp
+    )
+    return CompletionResponse(
+        id=job.request_id, created=job.created, model=job.body.model, choices=[choice],
+        usage=usage,
+    )  # fmt: skip
+
+
+def chat_chunk(
+    job: Job,
+    index: int,
+    delta: ChatDelta,
+    finish_reason: str | None = None,
+    token_ids: list[int] | None = None,
+    logprobs: ChatLogprobs | None = None,
+) -> ChatCompletionChunk:
+    """A chat chunk with one choice's delta."""
+    choice = ChatChunkChoice(
+        index=index, delta=delta, finish_reason=finish_reason, token_ids=token_ids,
+        logprobs=logprobs,
+    )  # fmt: skip
+    return ChatCompletionChunk(
+        id=job.request_id, created=job.created, model=job.body.model, choices=[choice]
+    )
+
+
+def whole(job: Job, choices: Sequence[ChoiceResult], texts: TokenTexts) -> BaseModel:
+    """The non-streamed response with these choices (in index order)."""
+    counts = usage(job, choices)
+    if job.kind == "chat":
+        chat_choices = [
+            ChatChoice(
+                index=c.index,
+                message=ChatMessageOut(content=c.text),
+                finish_reason=c.output.finish_reason,
+                token_ids=list(c.output.token_ids) if job.body.return_token_ids else None,
+                logprobs=output_logprobs(job, texts, c.output.token_ids, c.logprobs, []),  # type: ignore[arg-type]
+            )
+            for c in choices
+        ]
+        return ChatCompletionResponse(
+            id=job.request_id, created=job.created, model=job.body.model,
+            choices=chat_choices, usage=counts,
+        )  # fmt: skip
+    out = []
+    for c in choices:
+        prefix = c.prompt.text if job.echo else ""
+        lp = output_logprobs(
+            job, texts, c.output.token_ids, c.logprobs,
+            [len(prefix) + o for o in c.output.text_offsets],
+        )  # fmt: skip
+        if job.echo and isinstance(lp, CompletionLogprobs):
+            head = echo_logprobs(job, texts, c, prompt_offsets(texts, c.prompt))
+            assert head is not None
+            lp = _concat(head, lp)
+        out.append(
+            CompletionChoice(
+                index=c.index,
+                text=prefix + c.text,
+                finish_reason=c.output.finish_reason,
+                token_ids=list(c.output.token_ids) if job.body.return_token_ids else None,
+                logprobs=lp if isinstance(lp, CompletionLogprobs) else None,
+            )
+        )
+    return CompletionResponse(
+        id=job.request_id, created=job.created, model=job.body.model, choices=out, usage=counts
+    )
+
+
+def prompt_offsets(texts: TokenTexts, prompt: PromptInput) -> list[int]:
+    """Where each prompt token's text starts in the echoed prompt (cumulative token texts,
+    capped at the prompt text's length)."""
+    offsets, at = [], 0
+    for t in prompt.token_ids:
+        offsets.append(min(at, len(prompt.text)))
+        at += len(texts(t))
+    return offsets
+
+
+def _concat(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(
+        tokens=a.tokens + b.tokens,
+        token_logprobs=a.token_logprobs + b.token_logprobs,
+        top_logprobs=a.top_logprobs + b.top_logprobs,
+        text_offset=a.text_offset + b.text_offset,
+    )
+
+
+def usage_chunk(job: Job, choices: Sequence[ChoiceResult]) -> BaseModel:
+    """The final streamed chunk of `stream_options.include_usage`: no choices, the usage."""
+    counts = usage(job, choices)
+    if job.kind == "chat":
+        return ChatCompletionChunk(
+            id=job.request_id, created=job.created, model=job.body.model, choices=[],
+            usage=counts,
+        )  # fmt: skip
+    return CompletionResponse(
+        id=job.request_id, created=job.created, model=job.body.model, choices=[], usage=counts
+    )
+
+
+def error_body(
+    message: str, type_: str = "invalid_request_error", param: str | None = None,
+    code: str | None = None,
+) -> ErrorResponse:  # fmt: skip
+    """The OpenAI error object as a model."""
+    return ErrorResponse(error=ErrorDetail(message=message, type=type_, param=param, code=code))

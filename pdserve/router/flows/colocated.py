@@ -1,0 +1,133 @@
+"""The colocated request path: the whole request on one `both` worker via POST /generate.
+
+    ROUTED(W) → DECODING (W's first streamed line: prefill and the first token happened there)
+      → FINISHED
+
+Until W sends its first line nothing reached the client, so a retryable failure there (W full:
+503, W unreachable) moves to RETRYING and the next worker is tried; none left → NoCapacity.
+After the first line a failure ends the request. Closing the stream early releases the request
+on W. W is chosen by the affinity policy among `both` workers (cached prefix, session, load),
+and a finished request is recorded there, so conversations stay on their worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncGenerator, Callable
+
+from pdserve.errors import NoCapacity, RouterError, WorkerCallError, WorkerUnreachable
+from pdserve.protocol.request_state import Reason
+from pdserve.protocol.request_state import RequestState as S
+from pdserve.protocol.worker_api import ErrorBody, GenerateRequest, TokenEvent
+from pdserve.router.config import AffinityConfig
+from pdserve.router.flows.flow import FlowRequest, TokenChunk
+from pdserve.router.placement.affinity import AffinityPolicy, RouteQuery
+from pdserve.router.workers.client import WorkerClient
+from pdserve.router.workers.pool import WorkerPool
+
+
+class ColocatedFlow:
+    """Runs each request entirely on one worker of role `both`."""
+
+    def __init__(
+        self,
+        pool: WorkerPool,
+        client: WorkerClient,
+        affinity: AffinityPolicy | None = None,
+        on_end: Callable[[], None] | None = None,
+    ) -> None:
+        self._pool = pool
+        self._client = client
+        # Told when a request ends (its blocks are free again: the capacity queue listens).
+        self._on_end = on_end
+        # Placement (shared with the disaggregated flow, so a conversation keeps its worker
+        # across a mode switch); without one, plain least-load.
+        self._affinity = affinity or AffinityPolicy(AffinityConfig(routing="load"))
+
+    async def stream(self, request: FlowRequest) -> AsyncGenerator[TokenChunk, None]:
+        """The request's tokens as the worker streams them."""
+        try:
+            async with contextlib.aclosing(self._stream(request)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            if self._on_end is not None:
+                self._on_end()
+
+    async def _stream(self, request: FlowRequest) -> AsyncGenerator[TokenChunk, None]:
+        timeline = request.timeline
+        tried: set[str] = set()
+        query = RouteQuery(
+            request.prompt_token_ids,
+            request.sampling.max_tokens,
+            request.session_id,
+            self._affinity.next_ticket(),
+        )
+        output: list[int] = []
+        while True:
+            ranked = self._affinity.rank_colocated(self._pool.snapshot(), query, exclude=tried)
+            if not ranked:
+                exc = NoCapacity(
+                    f"no colocated (role both) worker accepted {request.request_id}"
+                    f" (tried {sorted(tried)})"
+                )
+                timeline.fail(str(exc))
+                raise exc
+            url = ranked[0].url
+            timeline.advance(S.ROUTED, url)
+            body = GenerateRequest(
+                request_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                sampling=request.sampling,
+                deadline_s=request.remaining_s(),
+            )
+            settled = False
+            with self._pool.inflight(url):
+                try:
+                    async with contextlib.aclosing(self._client.generate(url, body)) as events:
+                        try:
+                            first = await anext(events)
+                        except StopAsyncIteration:
+                            raise WorkerUnreachable(url, "generate stream was empty") from None
+                        except RouterError as exc:
+                            if not exc.retryable:
+                                raise
+                            settled = True  # nothing was admitted there
+                            if isinstance(exc, WorkerUnreachable):
+                                self._pool.mark_failed(url, str(exc))
+                            tried.add(url)
+                            timeline.retry(Reason.WORKER_REFUSED, str(exc))
+                            continue
+                        timeline.advance(S.DECODING)
+                        event: TokenEvent | None = first
+                        while event is not None:
+                            output.extend(event.token_ids)
+                            if event.error is not None or event.finish_reason == "error":
+                                kind = event.error_type or "StreamError"
+                                raise WorkerCallError(
+                                    url, 500, ErrorBody(error=event.error or "failed", type=kind)
+                                )
+                            if event.finished:
+                                settled = True
+                                timeline.advance(S.FINISHED, event.finish_reason or "")
+                                yield TokenChunk.of_event(event, event.finish_reason or "stop")
+                                return
+                            yield TokenChunk.of_event(event)
+                            event = await anext(events, None)
+                        raise WorkerUnreachable(url, "generate stream ended before finished")
+                except RouterError as exc:
+                    timeline.fail(str(exc))
+                    raise
+                finally:
+                    if not settled:
+                        await self._client.release_quietly(url, request.request_id)
+                        timeline.fail("closed before the worker finished")
+                    if timeline.state is S.FINISHED:
+                        self._affinity.record(
+                            self._pool.snapshot(),
+                            url,
+                            None,
+                            request.prompt_token_ids,
+                            output,
+                            request.session_id,
+                        )

@@ -1,0 +1,2 @@
+"""Where a request runs: worker selection by prefix affinity, session affinity and load, over the
+router's prefix index. Pure."""

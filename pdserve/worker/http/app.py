@@ -1,0 +1,520 @@
+"""The worker's HTTP control API (aiohttp), exactly as `protocol.py` defines it.
+
+Handlers parse a body into its protocol model, check the worker's role, and drive the parts:
+the engine loop (every engine call), the inbox (decode-side reservations), the outbox
+(prefill-side sends) and the lease keeper. Errors are raised, never rendered here: the
+middleware in `http_errors` turns them into `ErrorBody` responses.
+
+Invariants:
+- Only the cluster talks to workers: every call but GET /health and /metrics carries a valid
+  cluster signature (`auth_middleware`), and /prefill sends KV only to a reservation the
+  router signed (`reservation_auth`).
+- Reserve before release: /prefill parses and checks its reservation (signature, expiry,
+  transport) before any prefill runs.
+- Verified state only, checked by value: /decode schedules a request only after its KV was
+  verified by checksums and, with --kv-canary (the default), recomputed and compared.
+- Bounded: /prefill and /generate refuse with 503 Overloaded once `max_waiting` requests wait
+  in the engine; every wait on a router's behalf ends at the call's `deadline_s`.
+- No leak: a handler that leaves early (error, client gone: aiohttp cancels the handler) aborts
+  whatever it had put in the engine; a finished prefill's held KV is either handed to the
+  outbox (which always releases it) or released at once.
+- Streams (NDJSON, one `TokenEvent` per line) end with exactly one `finished` event unless the
+  client went away.
+
+It knows HTTP, the protocol models and the worker's parts; not sockets of the KV data plane.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel
+
+from pdserve.auth.signing import CallVerifier
+from pdserve.engine.engine import Engine
+from pdserve.engine.outputs import RequestDelta
+from pdserve.errors import (
+    ConfigError,
+    DeadlineExceeded,
+    EngineError,
+    Overloaded,
+    PdserveError,
+    RequestNotFound,
+    WrongRole,
+)
+from pdserve.faults import FaultClosed, FaultInjector, FaultSite, perform
+from pdserve.observability.timeline_log import EventRing
+from pdserve.protocol.worker_api import (
+    CheckpointPlan,
+    DecodeRequest,
+    GenerateRequest,
+    HandoffInfo,
+    KVAbortRequest,
+    KVAbortResult,
+    LogprobModel,
+    PrefillRequest,
+    PrefillResult,
+    ReleaseRequest,
+    ReleaseResult,
+    RenewRequest,
+    RenewResult,
+    ReserveRequest,
+    TokenEvent,
+    Transport,
+)
+from pdserve.worker.checkpoint.prefix_source import PrefixCacheSource
+from pdserve.worker.checkpoint.routes import CheckpointService
+from pdserve.worker.checkpoint.stream import Replica, on_tokens
+from pdserve.worker.config import WorkerConfig
+from pdserve.worker.engine_loop import EngineInfo, EngineLoop
+from pdserve.worker.http.auth_middleware import auth_middleware
+from pdserve.worker.http.error_status import Handler, error_middleware
+from pdserve.worker.http.observe_routes import ObserveRoutes
+from pdserve.worker.http.token_stream import TokenStreamer, end_stream
+from pdserve.worker.kv import canary as kv_canary
+from pdserve.worker.kv.events import KVEventStreams
+from pdserve.worker.kv.inbox import KVInbox, Received
+from pdserve.worker.kv.outbox import Destination, KVOutbox, parse_destination
+from pdserve.worker.lease_keeper import LeaseKeeper
+
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+NDJSON = "application/x-ndjson"
+
+
+async def _parse(request: web.Request, model: type[M]) -> M:
+    """The body as `model`; pydantic's ValidationError (-> 400 naming the field) otherwise."""
+    return model.model_validate_json(await request.read())
+
+
+def _json(body: BaseModel, status: int = 200) -> web.Response:
+    return web.json_response(text=body.model_dump_json(), status=status)
+
+
+def _settle(future: concurrent.futures.Future[T], fn: Callable[[], T]) -> None:
+    """Resolve `future` with what `fn` returns or raises (unless its waiter cancelled it:
+    then `fn` does not run)."""
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn())
+    except Exception as exc:
+        future.set_exception(exc)
+
+
+def _held_kv(request_id: str) -> Callable[[Engine], tuple[list[memoryview], list[int], int]]:
+    """An engine command reading a finished prefill's held KV: (views, block ids, cached)."""
+
+    def read(engine: Engine) -> tuple[list[memoryview], list[int], int]:
+        held = engine.get_request(request_id)
+        ids = engine.block_ids(request_id)
+        return engine.kv_block_views(request_id), ids, held.num_cached_tokens
+
+    return read
+
+
+@web.middleware
+async def _close_on_fault(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """An injected close ends the connection with no response, as a dying worker would."""
+    try:
+        return await handler(request)
+    except FaultClosed:
+        if request.transport is not None:
+            request.transport.close()
+        # Not an error to render: aiohttp treats a cancelled handler as a client that left.
+        raise asyncio.CancelledError from None
+
+
+class WorkerAPI:
+    """Handlers of one worker; `app()` builds the aiohttp application."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        info: EngineInfo,
+        engine: EngineLoop,
+        leases: LeaseKeeper,
+        inbox: KVInbox | None,
+        outbox: KVOutbox | None,
+        faults: FaultInjector | None = None,
+        events: EventRing | None = None,
+        verifier: CallVerifier | None = None,
+        local_transports: tuple[Transport, ...] = ("tcp",),
+        kv_streams: KVEventStreams | None = None,
+        checkpoints: CheckpointService | None = None,
+        cache_source: PrefixCacheSource | None = None,
+    ) -> None:
+        self.config = config
+        self.worker_id = config.worker_id
+        self.info = info
+        self.engine = engine
+        self.leases = leases
+        self.inbox = inbox
+        self.outbox = outbox
+        # Fault injection (tests only): None unless enabled, and then every site is skipped.
+        self.faults = faults
+        # This worker's timeline events of recent requests (GET /debug/requests/{id}).
+        self.events = events if events is not None else EventRing(config.worker_id)
+        # Checks every control call's cluster signature; None: --insecure-no-auth.
+        self.verifier = verifier
+        # KV transports this worker can send over, best first (prefill side).
+        self.local_transports = local_transports
+        self.canary_counts: Counter[str] = Counter()
+        self.num_admission_refusals = 0
+        # Requests this worker admitted into its engine (/prefill, /generate) and not ended.
+        self.num_admitted = 0
+        self.streams = TokenStreamer(engine, self.events, faults)
+        self.observe = ObserveRoutes(self)
+        # POST /kv_events (None: not served, e.g. an API built without an engine's log).
+        self.kv_streams = kv_streams
+        # Decode checkpoints: holder, replicas, resume pulls (None: a prefill-only worker).
+        self.checkpoints = checkpoints
+        # This worker's prefix cache as a resume's source (/cache/*; None: caching off).
+        self.cache_source = cache_source
+
+    def app(self) -> web.Application:
+        """The application with every route of the protocol (+ /admin/faults if enabled)."""
+        middlewares = [error_middleware(self.worker_id), auth_middleware(self.verifier)]
+        if self.faults is not None:
+            middlewares.append(_close_on_fault)  # inner: runs before errors are rendered
+        app = web.Application(middlewares=middlewares)
+        observe = self.observe
+        app.add_routes(
+            [
+                web.get("/health", observe.health),
+                web.post("/reserve", self.reserve),
+                web.post("/prefill", self.prefill),
+                web.post("/decode", self.decode),
+                web.post("/generate", self.generate),
+                web.post("/release", self.release),
+                web.post("/kv_abort", self.kv_abort),
+                web.post("/renew", self.renew),
+                web.get("/metrics", observe.metrics),
+                web.get("/debug/requests/{request_id}", observe.debug_request),
+            ]
+        )
+        if self.kv_streams is not None:
+            app.add_routes([web.post("/kv_events", self.kv_streams.handle)])
+        if self.checkpoints is not None:
+            app.add_routes(self.checkpoints.routes())
+        if self.cache_source is not None:
+            app.add_routes(self.cache_source.routes())
+        if self.config.enable_fault_admin:
+            app.add_routes(
+                [
+                    web.get("/admin/faults", observe.get_faults),
+                    web.post("/admin/faults", observe.set_faults),
+                    web.delete("/admin/faults", observe.clear_faults),
+                ]
+            )
+        return app
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    def _need_inbox(self, endpoint: str) -> KVInbox:
+        if self.inbox is None:
+            raise WrongRole(
+                f"worker {self.worker_id} (role {self.config.role}) does not serve {endpoint}"
+            )
+        return self.inbox
+
+    def _need_outbox(self, endpoint: str) -> KVOutbox:
+        if self.outbox is None:
+            raise WrongRole(
+                f"worker {self.worker_id} (role {self.config.role}) does not serve {endpoint}"
+            )
+        return self.outbox
+
+    # ---- endpoints -------------------------------------------------------------------------
+
+    async def reserve(self, request: web.Request) -> web.Response:
+        """POST /reserve ReserveRequest -> Reservation."""
+        inbox = self._need_inbox("/reserve")
+        body = await _parse(request, ReserveRequest)
+        if self.faults is not None and (rule := self.faults.fire(FaultSite.WORKER_RESERVE)):
+            await perform(rule)
+        return _json(await inbox.reserve(body))
+
+    @contextlib.contextmanager
+    def _admitted(self, request_id: str) -> Iterator[None]:
+        """Count a request in the engine for as long as the block runs; refuse it (503,
+        Retry-After) when `max_num_seqs` run and `max_waiting` more already wait."""
+        limit = self.config.engine.max_num_seqs + self.config.max_waiting
+        if self.num_admitted >= limit:
+            self.num_admission_refusals += 1
+            raise Overloaded(
+                f"worker {self.worker_id}: {self.num_admitted} requests in the engine"
+                f" (--max-num-seqs {self.config.engine.max_num_seqs} running +"
+                f" --max-waiting {self.config.max_waiting}); {request_id} not admitted"
+            )
+        self.num_admitted += 1
+        try:
+            yield
+        finally:
+            self.num_admitted -= 1
+
+    async def prefill(self, request: web.Request) -> web.Response:
+        """POST /prefill PrefillRequest -> PrefillResult; the KV send continues after."""
+        outbox = self._need_outbox("/prefill")
+        body = await _parse(request, PrefillRequest)
+        rid = body.request_id
+        body.sampling.to_params()  # a bad sampling field is a 400 before anything runs
+        destination = None
+        if body.reservation is not None:
+            # Before any prefill: a forged, expired or unreachable reservation costs nothing.
+            destination = parse_destination(
+                body.reservation,
+                key=self.config.reservation_key,
+                now_s=time.time(),
+                local=self.local_transports,
+                explicit=self.config.kv_transport != "auto",
+            )
+            n, m = destination.num_cached_tokens, len(body.prompt_token_ids)
+            if n > m:
+                # Nothing would be sent, and the decode side would wait out its KV timeout.
+                raise ConfigError(
+                    f"reservation.num_cached_tokens: {n} exceeds the prompt's {m} tokens"
+                )
+        with self._admitted(rid):
+            if destination is not None:
+                outbox.warm(destination)  # the connection comes up while the prompt computes
+            return await self._prefill(body, destination, outbox)
+
+    async def _prefill(
+        self, body: PrefillRequest, destination: Destination | None, outbox: KVOutbox
+    ) -> web.Response:
+        rid = body.request_id
+        params = body.sampling.to_params()
+        if self.faults is not None and (rule := self.faults.fire(FaultSite.WORKER_PREFILL)):
+            await perform(rule)
+        start_ns = self.events.record(rid, "prefill_start").monotonic_ns
+        # One token, sampled with the request's own params (seed included): the sampler keys
+        # token 0's randomness by (seed, 0), so it is the token a colocated run draws.
+        # min_tokens capped at 1 masks token 0's stop tokens exactly as min_tokens >= 1 does.
+        first_only = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        # Read on the engine thread in the step that finishes the prefill: a command would
+        # wait behind the next step (another prompt's prefill, maybe hundreds of ms) and so
+        # would the decode side's first token. The digest is taken before the KV leaves this
+        # thread's hands: whatever damages the held KV later (before its checksums are
+        # taken) is caught by value. The first token does not wait for the digest's forward.
+        held: concurrent.futures.Future[tuple[list[memoryview], list[int], int]]
+        held = concurrent.futures.Future()
+        digest: concurrent.futures.Future[bytes] = concurrent.futures.Future()
+        want_digest = destination is not None and self.config.kv_canary
+
+        def on_finish(engine: Engine) -> None:
+            _settle(held, lambda: _held_kv(rid)(engine))
+            if want_digest and not held.cancelled() and held.exception() is None:
+                _settle(digest, lambda: kv_canary.digest_now(engine, rid))
+
+        queue = await self.engine.add(
+            rid, body.prompt_token_ids, first_only, hold_kv=True, on_finish=on_finish
+        )
+        handed_over = False
+        try:
+            try:
+                async with asyncio.timeout(body.deadline_s):
+                    delta = await queue.get()
+            except TimeoutError:
+                raise DeadlineExceeded(
+                    f"request {rid}: prefill not done within its {body.deadline_s} s deadline"
+                ) from None
+            if not delta.new_token_ids:
+                raise EngineError(
+                    f"request {rid}: prefill ended without a token ({delta.finish_reason})"
+                )
+            end_ns = self.events.record(rid, "prefill_end").monotonic_ns
+            views, block_ids, num_cached = await asyncio.wrap_future(held)
+            if destination is not None:
+                # Awaited by the send (before its first byte), not here.
+                value_digest: bytes | asyncio.Future[bytes] = (
+                    asyncio.wrap_future(digest) if want_digest else b""
+                )
+                outbox.start(
+                    rid,
+                    body.prompt_token_ids,
+                    views,
+                    block_ids,
+                    destination,
+                    body.lease_ttl_s,
+                    value_digest,
+                )
+                handed_over = True
+        finally:
+            if not handed_over:
+                await self.engine.abort(rid)  # frees held KV too: nothing to send it to
+        if self.faults is not None and (rule := self.faults.fire(FaultSite.WORKER_PREFILL_REPLY)):
+            await perform(rule)
+        return _json(
+            PrefillResult(
+                request_id=rid,
+                first_token_id=delta.new_token_ids[0],
+                num_prompt_tokens=len(body.prompt_token_ids),
+                num_cached_tokens=num_cached,
+                prefill_start_ns=start_ns,
+                prefill_end_ns=end_ns,
+                first_logprobs=LogprobModel.of(delta.logprobs[0]) if delta.logprobs else None,
+                prompt_logprobs=None
+                if delta.prompt_logprobs is None
+                else [LogprobModel.of(lp) for lp in delta.prompt_logprobs],
+            )
+        )
+
+    def _handoff_check(
+        self, rid: str, received: Received
+    ) -> tuple[Callable[[], HandoffInfo], Callable[[Engine], object] | None]:
+        """How the KV came (read it after the check ran) and the value check (the canary) to
+        run on the engine thread before the request is scheduled (None: no check)."""
+        result = ["none" if not received.num_blocks else "off"]
+
+        def info() -> HandoffInfo:
+            return HandoffInfo(
+                transport=received.transport,
+                num_bytes=received.num_bytes,
+                seconds=round(received.seconds, 6),
+                slow=received.slow,
+                canary=result[0],
+            )
+
+        if not received.num_blocks or not self.config.kv_canary:
+            return info, None
+        run = kv_canary.checker(rid, received.value_digest, self.info.dtype, self.canary_counts)
+
+        def check(engine: Engine) -> None:
+            result[0] = run(engine)
+
+        return info, check
+
+    async def decode(self, request: web.Request) -> web.StreamResponse:
+        """POST /decode DecodeRequest -> NDJSON TokenEvents from the second token on."""
+        inbox = self._need_inbox("/decode")
+        body = await _parse(request, DecodeRequest)
+        rid = body.request_id
+        if not inbox.has(rid):
+            raise RequestNotFound(f"no reservation for request {rid} (never made, expired or done)")
+        response = await self.streams.open(request)
+        done = False
+        kv_timeout_s = min(body.kv_timeout_s, body.deadline_s or body.kv_timeout_s)
+        try:
+            try:
+                received = await inbox.take(rid, kv_timeout_s)
+                handoff_info, check = self._handoff_check(rid, received)
+                queue = await self.engine.mark_ready(rid, body.first_token_id, check)
+                handoff = handoff_info()
+                self.events.record(rid, "decode_start", f"canary={handoff.canary}")
+            except PdserveError as exc:
+                # cancel() waits for a cancellation already under way (the writer fenced)
+                # before anything is freed; after a hand-over it is a no-op and abort frees.
+                await inbox.cancel(rid, f"{type(exc).__name__}: {exc}")
+                await self.engine.abort(rid)
+                await self.streams.error(response, exc)
+                done = True
+                return response
+            await self.streams.write(response, TokenEvent(token_ids=[], handoff=handoff))
+            replica = await self._open_replica(rid, body.checkpoint, [body.first_token_id])
+            try:
+                await self.streams.stream(
+                    queue, response, rid, body.deadline_s, on_tokens(replica, None)
+                )
+            finally:
+                if replica is not None:
+                    await replica.close()
+            done = True
+        finally:
+            if not done:  # the client went away: nobody will read the rest
+                await inbox.cancel(rid, "client disconnected")
+                await self.engine.abort(rid)
+        await end_stream(response)
+        return response
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        """POST /generate GenerateRequest -> NDJSON TokenEvents (colocated, resume, recompute).
+
+        Served by every worker that decodes: a decode worker runs it to resume a migrated
+        request or to prefill locally when no prefill worker could."""
+        if not self.config.serves_decode:
+            raise WrongRole(
+                f"worker {self.worker_id} (role {self.config.role}) does not serve /generate"
+            )
+        body = await _parse(request, GenerateRequest)
+        with self._admitted(body.request_id):
+            self.events.record(
+                body.request_id, "generate_start", f"resume_after={len(body.output_token_ids)}"
+            )
+            # A resume first pulls its checkpoint into the prefix cache (never fails).
+            first, num_adopted = await self._pull_checkpoint(body)
+            queue = await self.engine.add(
+                body.request_id,
+                body.prompt_token_ids,
+                body.sampling.to_params(),
+                output_token_ids=body.output_token_ids,
+            )
+            done = False
+            replica: Replica | None = None
+            try:
+                response = await self.streams.open(request)
+                replica = await self._open_replica(
+                    body.request_id, body.checkpoint, body.output_token_ids, num_adopted
+                )
+                await self.streams.stream(
+                    queue, response, body.request_id, body.deadline_s, on_tokens(replica, first)
+                )
+                done = True
+            finally:
+                if replica is not None:
+                    await replica.close()
+                if not done:
+                    await self.engine.abort(body.request_id)
+            await end_stream(response)
+            return response
+
+    async def _open_replica(
+        self, rid: str, plan: CheckpointPlan | None, outputs: list[int], num_sent: int = 0
+    ) -> Replica | None:
+        """Start replicating the request's KV to its holder (None: no plan)."""
+        if plan is None or self.checkpoints is None:
+            return None
+        return await self.checkpoints.open_replica(rid, plan, outputs, num_sent)
+
+    async def _pull_checkpoint(
+        self, body: GenerateRequest
+    ) -> tuple[Callable[[RequestDelta], None] | None, int]:
+        """A resume's checkpoint pull (`CheckpointService.pull_for`)."""
+        if body.checkpoint_from is None or self.checkpoints is None:
+            return None, 0
+        return await self.checkpoints.pull_for(body, self.events)
+
+    async def renew(self, request: web.Request) -> web.Response:
+        """POST /renew: keep a reservation alive while its prefill runs elsewhere."""
+        inbox = self._need_inbox("/renew")
+        body = await _parse(request, RenewRequest)
+        ttl_s = inbox.renew(body.request_id)
+        return _json(RenewResult(request_id=body.request_id, lease_ttl_s=ttl_s))
+
+    async def kv_abort(self, request: web.Request) -> web.Response:
+        """POST /kv_abort: the sender gave this reservation's KV up; cancel it now."""
+        inbox = self._need_inbox("/kv_abort")
+        body = await _parse(request, KVAbortRequest)
+        cancelled = await inbox.abort(body)
+        return _json(KVAbortResult(request_id=body.request_id, cancelled=cancelled))
+
+    async def release(self, request: web.Request) -> web.Response:
+        """POST /release: free whatever this worker holds for the request (idempotent)."""
+        body = await _parse(request, ReleaseRequest)
+        rid = body.request_id
+        num_freed = 0
+        if self.outbox is not None:
+            # The send ends before anything is freed: it must never read reused blocks.
+            await self.outbox.cancel(rid)
+        if self.inbox is not None:
+            num_freed += await self.inbox.cancel(rid, "released")
+        num_freed += await self.engine.abort(rid)
+        return _json(ReleaseResult(request_id=rid, num_freed_blocks=num_freed))
