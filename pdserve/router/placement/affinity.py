@@ -134,10 +134,16 @@ class AffinityPolicy:
         self, workers: Sequence[WorkerView], token_ids: Sequence[int], exclude: Collection[str]
     ) -> list[str]:
         """Workers the index says hold leading blocks of `token_ids`, the most first (a
-        resume's cache sources; the index may be stale, the source's own lookup decides)."""
+        resume's cache sources; the index may be stale, the source's own lookup decides).
+
+        Only healthy workers of the pool's compatible fingerprint: KV from a worker that is
+        not bit-compatible with the resuming one must never be offered (invariant 3)."""
+        digest = policy.compatible_digest(workers)
         found: list[tuple[int, str]] = []
         for w in workers:
-            if w.url in exclude or w.health is None:
+            if w.url in exclude or w.health is None or not w.healthy:
+                continue
+            if w.health.fingerprint_digest != digest:
                 continue
             matched = self.index.match(w.url, prefix_block_hashes(list(token_ids), _size(w)))
             if matched:

@@ -27,24 +27,16 @@ It knows HTTP, the protocol models and the worker's parts; not sockets of the KV
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
-import dataclasses
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from typing import TypeVar
 
 from aiohttp import web
-from pydantic import BaseModel
 
 from pdserve.auth.signing import CallVerifier
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestDelta
 from pdserve.errors import (
-    ConfigError,
-    DeadlineExceeded,
-    EngineError,
     Overloaded,
     PdserveError,
     RequestNotFound,
@@ -59,9 +51,6 @@ from pdserve.protocol.worker_api import (
     HandoffInfo,
     KVAbortRequest,
     KVAbortResult,
-    LogprobModel,
-    PrefillRequest,
-    PrefillResult,
     ReleaseRequest,
     ReleaseResult,
     RenewRequest,
@@ -76,49 +65,16 @@ from pdserve.worker.checkpoint.stream import Replica, on_tokens
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.engine_loop import EngineInfo, EngineLoop
 from pdserve.worker.http.auth_middleware import auth_middleware
+from pdserve.worker.http.bodies import json_body, parse_body
 from pdserve.worker.http.error_status import Handler, error_middleware
 from pdserve.worker.http.observe_routes import ObserveRoutes
+from pdserve.worker.http.prefill import Prefills
 from pdserve.worker.http.token_stream import TokenStreamer, end_stream
 from pdserve.worker.kv import canary as kv_canary
 from pdserve.worker.kv.events import KVEventStreams
 from pdserve.worker.kv.inbox import KVInbox, Received
-from pdserve.worker.kv.outbox import Destination, KVOutbox, parse_destination
+from pdserve.worker.kv.outbox import KVOutbox
 from pdserve.worker.lease_keeper import LeaseKeeper
-
-M = TypeVar("M", bound=BaseModel)
-T = TypeVar("T")
-NDJSON = "application/x-ndjson"
-
-
-async def _parse(request: web.Request, model: type[M]) -> M:
-    """The body as `model`; pydantic's ValidationError (-> 400 naming the field) otherwise."""
-    return model.model_validate_json(await request.read())
-
-
-def _json(body: BaseModel, status: int = 200) -> web.Response:
-    return web.json_response(text=body.model_dump_json(), status=status)
-
-
-def _settle(future: concurrent.futures.Future[T], fn: Callable[[], T]) -> None:
-    """Resolve `future` with what `fn` returns or raises (unless its waiter cancelled it:
-    then `fn` does not run)."""
-    if not future.set_running_or_notify_cancel():
-        return
-    try:
-        future.set_result(fn())
-    except Exception as exc:
-        future.set_exception(exc)
-
-
-def _held_kv(request_id: str) -> Callable[[Engine], tuple[list[memoryview], list[int], int]]:
-    """An engine command reading a finished prefill's held KV: (views, block ids, cached)."""
-
-    def read(engine: Engine) -> tuple[list[memoryview], list[int], int]:
-        held = engine.get_request(request_id)
-        ids = engine.block_ids(request_id)
-        return engine.kv_block_views(request_id), ids, held.num_cached_tokens
-
-    return read
 
 
 @web.middleware
@@ -173,6 +129,9 @@ class WorkerAPI:
         self.num_admitted = 0
         self.streams = TokenStreamer(engine, self.events, faults)
         self.observe = ObserveRoutes(self)
+        self.prefills = Prefills(
+            config, engine, self.events, faults, local_transports, self._admitted
+        )
         # POST /kv_events (None: not served, e.g. an API built without an engine's log).
         self.kv_streams = kv_streams
         # Decode checkpoints: holder, replicas, resume pulls (None: a prefill-only worker).
@@ -235,13 +194,17 @@ class WorkerAPI:
 
     # ---- endpoints -------------------------------------------------------------------------
 
+    async def prefill(self, request: web.Request) -> web.Response:
+        """POST /prefill (`Prefills.handle`): a prefill worker's one job."""
+        return await self.prefills.handle(request, self._need_outbox("/prefill"))
+
     async def reserve(self, request: web.Request) -> web.Response:
         """POST /reserve ReserveRequest -> Reservation."""
         inbox = self._need_inbox("/reserve")
-        body = await _parse(request, ReserveRequest)
+        body = await parse_body(request, ReserveRequest)
         if self.faults is not None and (rule := self.faults.fire(FaultSite.WORKER_RESERVE)):
             await perform(rule)
-        return _json(await inbox.reserve(body))
+        return json_body(await inbox.reserve(body))
 
     @contextlib.contextmanager
     def _admitted(self, request_id: str) -> Iterator[None]:
@@ -260,113 +223,6 @@ class WorkerAPI:
             yield
         finally:
             self.num_admitted -= 1
-
-    async def prefill(self, request: web.Request) -> web.Response:
-        """POST /prefill PrefillRequest -> PrefillResult; the KV send continues after."""
-        outbox = self._need_outbox("/prefill")
-        body = await _parse(request, PrefillRequest)
-        rid = body.request_id
-        body.sampling.to_params()  # a bad sampling field is a 400 before anything runs
-        destination = None
-        if body.reservation is not None:
-            # Before any prefill: a forged, expired or unreachable reservation costs nothing.
-            destination = parse_destination(
-                body.reservation,
-                key=self.config.reservation_key,
-                now_s=time.time(),
-                local=self.local_transports,
-                explicit=self.config.kv_transport != "auto",
-            )
-            n, m = destination.num_cached_tokens, len(body.prompt_token_ids)
-            if n > m:
-                # Nothing would be sent, and the decode side would wait out its KV timeout.
-                raise ConfigError(
-                    f"reservation.num_cached_tokens: {n} exceeds the prompt's {m} tokens"
-                )
-        with self._admitted(rid):
-            if destination is not None:
-                outbox.warm(destination)  # the connection comes up while the prompt computes
-            return await self._prefill(body, destination, outbox)
-
-    async def _prefill(
-        self, body: PrefillRequest, destination: Destination | None, outbox: KVOutbox
-    ) -> web.Response:
-        rid = body.request_id
-        params = body.sampling.to_params()
-        if self.faults is not None and (rule := self.faults.fire(FaultSite.WORKER_PREFILL)):
-            await perform(rule)
-        start_ns = self.events.record(rid, "prefill_start").monotonic_ns
-        # One token, sampled with the request's own params (seed included): the sampler keys
-        # token 0's randomness by (seed, 0), so it is the token a colocated run draws.
-        # min_tokens capped at 1 masks token 0's stop tokens exactly as min_tokens >= 1 does.
-        first_only = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-        # Read on the engine thread in the step that finishes the prefill: a command would
-        # wait behind the next step (another prompt's prefill, maybe hundreds of ms) and so
-        # would the decode side's first token. The digest is taken before the KV leaves this
-        # thread's hands: whatever damages the held KV later (before its checksums are
-        # taken) is caught by value. The first token does not wait for the digest's forward.
-        held: concurrent.futures.Future[tuple[list[memoryview], list[int], int]]
-        held = concurrent.futures.Future()
-        digest: concurrent.futures.Future[bytes] = concurrent.futures.Future()
-        want_digest = destination is not None and self.config.kv_canary
-
-        def on_finish(engine: Engine) -> None:
-            _settle(held, lambda: _held_kv(rid)(engine))
-            if want_digest and not held.cancelled() and held.exception() is None:
-                _settle(digest, lambda: kv_canary.digest_now(engine, rid))
-
-        queue = await self.engine.add(
-            rid, body.prompt_token_ids, first_only, hold_kv=True, on_finish=on_finish
-        )
-        handed_over = False
-        try:
-            try:
-                async with asyncio.timeout(body.deadline_s):
-                    delta = await queue.get()
-            except TimeoutError:
-                raise DeadlineExceeded(
-                    f"request {rid}: prefill not done within its {body.deadline_s} s deadline"
-                ) from None
-            if not delta.new_token_ids:
-                raise EngineError(
-                    f"request {rid}: prefill ended without a token ({delta.finish_reason})"
-                )
-            end_ns = self.events.record(rid, "prefill_end").monotonic_ns
-            views, block_ids, num_cached = await asyncio.wrap_future(held)
-            if destination is not None:
-                # Awaited by the send (before its first byte), not here.
-                value_digest: bytes | asyncio.Future[bytes] = (
-                    asyncio.wrap_future(digest) if want_digest else b""
-                )
-                outbox.start(
-                    rid,
-                    body.prompt_token_ids,
-                    views,
-                    block_ids,
-                    destination,
-                    body.lease_ttl_s,
-                    value_digest,
-                )
-                handed_over = True
-        finally:
-            if not handed_over:
-                await self.engine.abort(rid)  # frees held KV too: nothing to send it to
-        if self.faults is not None and (rule := self.faults.fire(FaultSite.WORKER_PREFILL_REPLY)):
-            await perform(rule)
-        return _json(
-            PrefillResult(
-                request_id=rid,
-                first_token_id=delta.new_token_ids[0],
-                num_prompt_tokens=len(body.prompt_token_ids),
-                num_cached_tokens=num_cached,
-                prefill_start_ns=start_ns,
-                prefill_end_ns=end_ns,
-                first_logprobs=LogprobModel.of(delta.logprobs[0]) if delta.logprobs else None,
-                prompt_logprobs=None
-                if delta.prompt_logprobs is None
-                else [LogprobModel.of(lp) for lp in delta.prompt_logprobs],
-            )
-        )
 
     def _handoff_check(
         self, rid: str, received: Received
@@ -396,7 +252,7 @@ class WorkerAPI:
     async def decode(self, request: web.Request) -> web.StreamResponse:
         """POST /decode DecodeRequest -> NDJSON TokenEvents from the second token on."""
         inbox = self._need_inbox("/decode")
-        body = await _parse(request, DecodeRequest)
+        body = await parse_body(request, DecodeRequest)
         rid = body.request_id
         if not inbox.has(rid):
             raise RequestNotFound(f"no reservation for request {rid} (never made, expired or done)")
@@ -444,7 +300,7 @@ class WorkerAPI:
             raise WrongRole(
                 f"worker {self.worker_id} (role {self.config.role}) does not serve /generate"
             )
-        body = await _parse(request, GenerateRequest)
+        body = await parse_body(request, GenerateRequest)
         with self._admitted(body.request_id):
             self.events.record(
                 body.request_id, "generate_start", f"resume_after={len(body.output_token_ids)}"
@@ -495,20 +351,20 @@ class WorkerAPI:
     async def renew(self, request: web.Request) -> web.Response:
         """POST /renew: keep a reservation alive while its prefill runs elsewhere."""
         inbox = self._need_inbox("/renew")
-        body = await _parse(request, RenewRequest)
+        body = await parse_body(request, RenewRequest)
         ttl_s = inbox.renew(body.request_id)
-        return _json(RenewResult(request_id=body.request_id, lease_ttl_s=ttl_s))
+        return json_body(RenewResult(request_id=body.request_id, lease_ttl_s=ttl_s))
 
     async def kv_abort(self, request: web.Request) -> web.Response:
         """POST /kv_abort: the sender gave this reservation's KV up; cancel it now."""
         inbox = self._need_inbox("/kv_abort")
-        body = await _parse(request, KVAbortRequest)
+        body = await parse_body(request, KVAbortRequest)
         cancelled = await inbox.abort(body)
-        return _json(KVAbortResult(request_id=body.request_id, cancelled=cancelled))
+        return json_body(KVAbortResult(request_id=body.request_id, cancelled=cancelled))
 
     async def release(self, request: web.Request) -> web.Response:
         """POST /release: free whatever this worker holds for the request (idempotent)."""
-        body = await _parse(request, ReleaseRequest)
+        body = await parse_body(request, ReleaseRequest)
         rid = body.request_id
         num_freed = 0
         if self.outbox is not None:
@@ -517,4 +373,4 @@ class WorkerAPI:
         if self.inbox is not None:
             num_freed += await self.inbox.cancel(rid, "released")
         num_freed += await self.engine.abort(rid)
-        return _json(ReleaseResult(request_id=rid, num_freed_blocks=num_freed))
+        return json_body(ReleaseResult(request_id=rid, num_freed_blocks=num_freed))

@@ -257,3 +257,13 @@ def test_a_resumes_cache_holders_come_from_the_index_most_blocks_first() -> None
     ]
     assert policy.cache_holders(pool, HISTORY, exclude={"http://w2"}) == ["http://w1", "http://w3"]
     assert policy.cache_holders(pool, list(range(900, 964)), exclude=()) == []
+
+
+def test_a_resume_never_offers_an_unhealthy_or_incompatible_cache_holder() -> None:
+    # w1 is down and w2 runs other weights (digest B): both hold the whole history, and
+    # neither may be a source, or a resume could adopt KV its worker cannot read (invariant 3).
+    pool = [view(0), view(1, healthy=False), view(2, digest="B"), view(3)]
+    policy = AffinityPolicy()
+    for url in ("http://w1", "http://w2", "http://w3"):
+        policy.index.insert(url, prefix_block_hashes(HISTORY, BS), capacity=100)
+    assert policy.cache_holders(pool, HISTORY, exclude=()) == ["http://w3"]
