@@ -22,7 +22,8 @@ from pdserve.cli.command import (
 from pdserve.config import DTYPES
 from pdserve.config_file import add_config_flag, expand
 from pdserve.errors import PdserveError
-from pdserve.flags import add_engine_flags, add_policy_flags
+from pdserve.flags import add_engine_flags
+from pdserve.router.flags import add_policy_flags
 
 
 def _added(

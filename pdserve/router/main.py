@@ -23,7 +23,6 @@ from aiohttp import web
 from pdserve.auth.secret import load_secret
 from pdserve.config_file import add_config_flag, expand
 from pdserve.errors import PdserveError
-from pdserve.flags import add_policy_flags
 from pdserve.router.app import create_app
 from pdserve.router.config import (
     MODE_SETTINGS,
@@ -34,6 +33,7 @@ from pdserve.router.config import (
     parse_mode_setting,
     parse_recovery,
 )
+from pdserve.router.flags import add_policy_flags
 from pdserve.router.mode.auto_mode import AutoConfig
 from pdserve.router.mode.interference import SLOConfig
 

@@ -32,7 +32,7 @@ from pdserve.errors import ConfigError
 from pdserve.observability.stats import percentile
 
 if TYPE_CHECKING:
-    # Type only: the protocol module pulls in torch, and `pdserve.flags` (light) imports this.
+    # Type only: the protocol module pulls in torch, and `router.flags` (light) imports this.
     from pdserve.protocol.worker_api import StepInfo
 
 
