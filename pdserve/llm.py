@@ -13,6 +13,7 @@ from pdserve.config import EngineConfig, ModelLoadConfig
 from pdserve.engine.engine import Engine
 from pdserve.errors import ConfigError
 from pdserve.protocol.sampling import SamplingParams
+from pdserve.text.output import OutputStream
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,18 +81,35 @@ class LLM:
             for request_id in ids:
                 self.engine.abort(request_id)
             raise
+        # The stop rules (stop strings included: the engine checks none) and the text, applied
+        # incrementally as the router applies them, so both give the same text.
+        eos = self.engine.model.eos_token_ids
+        outputs = {
+            rid: OutputStream(self.tokenizer, p, eos) for rid, p in zip(ids, per, strict=True)
+        }
+        texts = dict.fromkeys(ids, "")
         finished: dict[str, CompletionOutput] = {}
         requests = {rid: self.engine.get_request(rid) for rid in ids}
         while self.engine.has_unfinished():
             for delta in self.engine.step():
-                if delta.finished:
-                    r = requests[delta.request_id]
-                    finished[delta.request_id] = CompletionOutput(
-                        r.request_id,
-                        r.prompt_token_ids,
-                        list(r.output_token_ids),
-                        r.output_text,
-                        delta.finish_reason or "stop",
-                        r.num_cached_tokens,
-                    )
+                rid = delta.request_id
+                output = outputs[rid]
+                if rid in finished:
+                    continue
+                texts[rid] += output.add_all(list(delta.new_token_ids))
+                if delta.finished and not output.finished:
+                    texts[rid] += output.finish(delta.finish_reason or "stop")
+                if not output.finished:
+                    continue
+                if not delta.finished:
+                    self.engine.abort(rid)  # a stop string ended it: the engine stops here
+                r = requests[rid]
+                finished[rid] = CompletionOutput(
+                    rid,
+                    r.prompt_token_ids,
+                    list(output.token_ids),
+                    texts[rid],
+                    output.finish_reason or "stop",
+                    r.num_cached_tokens,
+                )
         return [finished[rid] for rid in ids]

@@ -29,7 +29,7 @@ from pdlab.soak.plan import Api, PlannedRequest, malformed_case
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.protocol.worker_api import SamplingModel
-from pdserve.router.api.output import OutputStream
+from pdserve.text.output import OutputStream
 
 PATHS = {Api.COMPLETIONS: "/v1/completions", Api.CHAT: "/v1/chat/completions"}
 

@@ -427,33 +427,19 @@ class Engine:
         return prompt_logprobs, self._check_stop(request, token)
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        """Stop token ids and EOS, a finished grammar, max_tokens. Stop strings are not checked
+        here: the router (or `pdserve.llm`) applies them incrementally over the text it
+        detokenizes anyway, and ends the request, so no engine step decodes an output."""
         params = request.sampling_params
         # Before min_tokens tokens exist nothing but max_tokens ends the request (vLLM).
         past_min = request.num_output_tokens > params.min_tokens
         if past_min and token in request.stop_token_ids:
-            self._set_text(request)
             return RequestStatus.FINISHED_STOPPED
         if request.grammar is not None and request.grammar.finished:
-            self._set_text(request)
             return RequestStatus.FINISHED_STOPPED
-        if params.stop and past_min:
-            decode = self.model.tokenizer.decode
-            text = decode(request.output_token_ids)
-            # A stop string counts only if it ends after the first min_tokens tokens' text.
-            floor = len(decode(request.output_token_ids[: params.min_tokens]))
-            hits = [
-                i for i in (text.find(s, max(0, floor - len(s) + 1)) for s in params.stop) if i >= 0
-            ]
-            if hits:
-                request.output_text = text[: min(hits)]
-                return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= params.max_tokens:
-            self._set_text(request)
             return RequestStatus.FINISHED_LENGTH
         return None
-
-    def _set_text(self, request: Request) -> None:
-        request.output_text = self.model.tokenizer.decode(request.output_token_ids)
 
     def stats(self) -> EngineStats:
         """Current block and queue counts."""

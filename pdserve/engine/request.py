@@ -81,8 +81,6 @@ class Request:
     num_preemptions: int = 0
     # Keep the KV blocks after finishing until `release` (a prefill result awaiting transfer).
     hold_kv: bool = False
-    # Output text, truncated at a stop string when one matched.
-    output_text: str = ""
     first_token_ns: int | None = None
     finish_ns: int | None = None
     # Structured output: the grammar's position after the output tokens so far.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -46,3 +47,37 @@ def test_bad_calls_are_refused_and_leave_nothing_queued(llm: LLM) -> None:
         SamplingParams(top_p=0.0)
     with pytest.raises(ConfigError, match="not_an_option"):
         LLM(not_an_option=1)
+
+
+def test_stop_strings_cut_the_text_and_stop_the_engine(llm: LLM) -> None:
+    free = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    whole = llm.generate(["The cat sat"], free)[0]
+    stop = whole.text[len(whole.text) // 2 :][:2]
+    assert stop.strip(), whole.text
+    out = llm.generate(["The cat sat"], SamplingParams(**{**_fields(free), "stop": (stop,)}))[0]
+    assert out.finish_reason == "stop"
+    assert stop not in out.text and whole.text.startswith(out.text)
+    # The token that completed the stop string is the last one counted; nothing after it.
+    n = len(out.token_ids)
+    assert out.token_ids == whole.token_ids[:n] and n < 16
+    assert stop in llm.tokenizer.decode(out.token_ids) and stop not in llm.tokenizer.decode(
+        out.token_ids[:-1]
+    )
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.stats().num_free_blocks == llm.engine.stats().num_blocks
+
+
+def test_min_tokens_delays_stop_strings(llm: LLM) -> None:
+    free = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    tokens = llm.generate(["a b c d"], free)[0].token_ids
+    text = llm.tokenizer.decode(tokens)
+    stop = text[len(llm.tokenizer.decode(tokens[:3])) :][:1]
+    assert stop
+    stopped = {**_fields(free), "stop": (stop,)}
+    early = llm.generate(["a b c d"], SamplingParams(**stopped))[0].token_ids
+    later = llm.generate(["a b c d"], SamplingParams(**{**stopped, "min_tokens": 10}))[0].token_ids
+    assert len(early) <= 4 < 10 < len(later)
+
+
+def _fields(p: SamplingParams) -> dict[str, object]:
+    return {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}

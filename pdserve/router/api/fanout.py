@@ -32,10 +32,10 @@ from pdserve.errors import RouterError
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.protocol.request_state import RequestState, RequestTimeline
 from pdserve.protocol.worker_api import LogprobModel
-from pdserve.router.api.output import OutputStream
 from pdserve.router.api.responses import ChoiceResult, Job
 from pdserve.router.flows.dispatcher import Dispatcher
 from pdserve.router.flows.flow import Flow, FlowRequest
+from pdserve.text.output import OutputStream
 
 
 def choice_seed(seed: int, sample: int) -> int:

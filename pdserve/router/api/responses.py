@@ -35,7 +35,7 @@ from pdserve.router.api.openai_models import (
     SamplingFields,
     Usage,
 )
-from pdserve.router.api.output import OutputStream
+from pdserve.text.output import OutputStream
 
 
 @dataclass(frozen=True, slots=True)

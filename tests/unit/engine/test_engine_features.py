@@ -208,20 +208,6 @@ def test_min_p_min_tokens_and_logit_bias(model: LoadedModel) -> None:
     assert tokens[:5].count(eos) == 0 and tokens[5] == eos and len(tokens) == 6
 
 
-def test_min_tokens_delays_stop_strings(model: LoadedModel) -> None:
-    ids = prompt(model, 12, 4)
-    free = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
-    tokens, _ = tokens_and_logprobs(run(engine(model), "f", ids, free))
-    text = model.tokenizer.decode(tokens)
-    stop = text[len(model.tokenizer.decode(tokens[:3])) :][:1]
-    assert stop
-    stopped = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=(stop,))
-    early, _ = tokens_and_logprobs(run(engine(model), "s", ids, stopped))
-    late = SamplingParams(**{**_fields(stopped), "min_tokens": 10})
-    later, _ = tokens_and_logprobs(run(engine(model), "l", ids, late))
-    assert len(early) <= 4 < 10 < len(later)
-
-
 def test_structured_output_is_valid_and_survives_resume_mid_json(model: LoadedModel) -> None:
     spec = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(SCHEMA))
     params = SamplingParams(max_tokens=60, temperature=1.0, seed=5, grammar=spec, logprobs=1)

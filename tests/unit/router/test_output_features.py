@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.protocol.worker_api import SamplingModel
-from pdserve.router.api.output import OutputStream
-from pdserve.router.api.stop import StopMatcher, first_stop_span
+from pdserve.text.output import OutputStream
+from pdserve.text.stop import StopMatcher, first_stop_span
 
 TEXT = st.text(alphabet="ab c", max_size=6)
 STOPS = st.lists(st.text(alphabet="ab c", min_size=1, max_size=3), min_size=1, max_size=3)

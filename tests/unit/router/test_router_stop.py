@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.protocol.worker_api import SamplingModel
-from pdserve.router.api.output import OutputStream
-from pdserve.router.api.stop import StopMatcher, first_stop, held_suffix_len, truncate_at_stop
+from pdserve.text.output import OutputStream
+from pdserve.text.stop import StopMatcher, first_stop, held_suffix_len, truncate_at_stop
 
 TEXT = st.text(alphabet="ab c\n", max_size=12)
 STOPS = st.lists(st.text(alphabet="ab c\n", min_size=1, max_size=4), max_size=3)

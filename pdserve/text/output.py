@@ -5,8 +5,9 @@ adds no text; not before `min_tokens` tokens), incremental detokenization (speci
 skipped unless `skip_special_tokens` is off), stop strings (`StopMatcher`: text that may begin
 a stop string is held back across chunk borders; the stop string itself is never sent unless
 `include_stop_str_in_output`; none counts before `min_tokens` tokens), and max_tokens
-("length"). The router applies these itself rather than trusting each worker's own checks, so
-the text is the same whichever path (and however many workers) produced the tokens.
+("length"). The router applies these to every request (and `pdserve.llm` to offline ones); the
+engine checks no stop string, so the text is the same whichever path (and however many
+workers) produced the tokens, and no step re-decodes an output.
 
 Per token it also records where the token's text starts in the output (`text_offsets`, for
 completions logprobs). Pure: no I/O.
@@ -14,11 +15,26 @@ completions logprobs). Pure: no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
+from typing import Protocol
 
 from pdserve.model.tokenizer import Tokenizer
-from pdserve.protocol.worker_api import SamplingModel
-from pdserve.router.api.stop import StopMatcher
+from pdserve.text.stop import StopMatcher
+
+
+class StopRules(Protocol):
+    """What ends a request's output: `SamplingParams` and its wire form `SamplingModel`."""
+
+    @property
+    def stop(self) -> Sequence[str]: ...
+    @property
+    def stop_token_ids(self) -> Sequence[int]: ...
+    @property
+    def ignore_eos(self) -> bool: ...
+    @property
+    def min_tokens(self) -> int: ...
+    @property
+    def max_tokens(self) -> int: ...
 
 
 class OutputStream:
@@ -27,7 +43,7 @@ class OutputStream:
     def __init__(
         self,
         tokenizer: Tokenizer,
-        sampling: SamplingModel,
+        sampling: StopRules,
         eos_token_ids: Collection[int],
         *,
         skip_special_tokens: bool = True,
