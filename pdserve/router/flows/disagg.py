@@ -47,13 +47,12 @@ import time
 from collections.abc import AsyncGenerator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
-from pdserve.errors import NoCapacity, RouterError, WorkerCallError, WorkerUnreachable
+from pdserve.errors import NoCapacity, RouterError, WorkerUnreachable
 from pdserve.faults import FaultInjector, FaultSite
 from pdserve.protocol.request_state import RequestState as S
 from pdserve.protocol.reservation_signing import sign_reservation
 from pdserve.protocol.worker_api import (
     DecodeRequest,
-    ErrorBody,
     GenerateRequest,
     PrefillRequest,
     PrefillResult,
@@ -63,8 +62,20 @@ from pdserve.router.config import AffinityConfig, RecoveryConfig
 from pdserve.router.flows import checkpoint_plan
 from pdserve.router.flows.capacity_queue import CapacityQueue
 from pdserve.router.flows.flow import FlowRequest, TokenChunk
-from pdserve.router.flows.recovery import STEP_REASON, Budget, Failure, Step, next_step
+from pdserve.router.flows.recovery import (
+    STEP_REASON,
+    Budget,
+    Cause,
+    Phase,
+    Step,
+    StepFailed,
+    cause_of,
+    classify,
+    fail_step,
+    next_step,
+)
 from pdserve.router.flows.reservations import Leg, Reserver, router_fault
+from pdserve.router.flows.worker_stream import until_finished
 from pdserve.router.placement.affinity import AffinityPolicy, RouteQuery
 from pdserve.router.placement.policy import WorkerView, pick_prefill, rank_decode
 from pdserve.router.workers.client import WorkerClient
@@ -81,10 +92,9 @@ class Handoff(enum.Enum):
 
 # (outcome, reason): told for every handoff.
 KVOutcome = Callable[[Handoff, str], None]
+
+
 # Worker error types that no other worker or step can fix.
-_FINAL_ERRORS = frozenset({"DeadlineExceeded"})
-
-
 @dataclass(slots=True)
 class _Run:
     """One request's progress through its steps (owned by its `stream` call)."""
@@ -108,22 +118,6 @@ class _Run:
     holder: str | None = None
     # The worker that computed the prompt's KV (its prefix cache may still hold it).
     first_prefill_url: str | None = None
-
-
-class _StepFailed(Exception):
-    """A step ended without finishing the request; the recovery table decides what follows."""
-
-    def __init__(self, failure: Failure, cause: RouterError, decode_url: str | None = None):
-        super().__init__(str(cause))
-        self.failure = failure
-        self.cause = cause
-        # The decode worker a local prefill should try first (the one that was chosen).
-        self.decode_url = decode_url
-
-
-def _recoverable(exc: RouterError) -> bool:
-    """Failures another worker may not share (dead, full, broken stream), as workers mark them."""
-    return exc.retryable
 
 
 class DisaggFlow:
@@ -205,7 +199,7 @@ class DisaggFlow:
                         async for chunk in chunks:
                             yield chunk
                     return
-                except _StepFailed as failed:
+                except StepFailed as failed:
                     step = next_step(failed.failure, recovery.steps, run.budget)
                     if step is None:
                         raise failed.cause from None
@@ -240,7 +234,7 @@ class DisaggFlow:
     # ---- the handoff: reserve, prefill, transfer, decode ----------------------------------
 
     async def _handoff(self, run: _Run) -> AsyncGenerator[TokenChunk, None]:
-        """One handoff on the best decode/prefill pair not yet failed; `_StepFailed` when it
+        """One handoff on the best decode/prefill pair not yet failed; `StepFailed` when it
         fails in a way the recovery table can answer."""
         request = run.request
         timeline = request.timeline
@@ -250,7 +244,7 @@ class DisaggFlow:
             leg = await self._reserver.reserve(request, run.query, rid, run.failed_prefill)
         except NoCapacity as exc:
             if _only_prefill_missing(self._pool.snapshot(), run.failed_prefill):
-                raise _StepFailed(Failure.NO_PREFILL_WORKER, exc) from exc
+                fail_step(Phase.RESERVE, exc, Cause.NO_PREFILL)
             raise
         run.leg = leg
         result = await self._prefill(run, leg)
@@ -300,15 +294,15 @@ class DisaggFlow:
         except RouterError as exc:
             run.leg = None
             await self._reserver.release(leg)
-            if not _recoverable(exc):
-                raise
             if isinstance(exc, WorkerUnreachable):
                 self._pool.mark_failed(leg.prefill_url, str(exc))
-            run.failed_prefill.add(leg.prefill_url)
-            raise _StepFailed(Failure.PREFILL_FAILED, exc, leg.decode_url) from exc
+            if classify(Phase.PREFILL, cause_of(exc)) is not None:
+                run.failed_prefill.add(leg.prefill_url)
+            fail_step(Phase.PREFILL, exc, decode_url=leg.decode_url)
+            raise
 
     async def _decode(self, run: _Run, leg: Leg) -> AsyncGenerator[TokenChunk, None]:
-        """D's stream after the first token; `_StepFailed` (handoff_failed before the commit,
+        """D's stream after the first token; `StepFailed` (handoff_failed before the commit,
         decode_died after it) when D fails."""
         request = run.request
         timeline = request.timeline
@@ -326,10 +320,11 @@ class DisaggFlow:
         committed = False
         try:
             with self._pool.inflight(leg.decode_url):
-                async with contextlib.aclosing(self._client.decode(leg.decode_url, decode)) as s:
-                    async for event in s:
-                        if event.error is not None or event.finish_reason == "error":
-                            raise _stream_error(leg.decode_url, event)
+                async with (
+                    contextlib.aclosing(self._client.decode(leg.decode_url, decode)) as s,
+                    contextlib.aclosing(until_finished(leg.decode_url, s, "decode")) as events,
+                ):
+                    async for event in events:
                         if not committed:
                             committed = True
                             timeline.advance(S.COMMITTED, _handoff_detail(event))
@@ -344,7 +339,6 @@ class DisaggFlow:
                             return
                         if event.token_ids:
                             yield TokenChunk.of_event(event)
-            raise WorkerUnreachable(leg.decode_url, "decode stream ended early")
         except RouterError as exc:
             run.leg = None
             if isinstance(exc, WorkerUnreachable):
@@ -354,17 +348,16 @@ class DisaggFlow:
                 await self._client.release_quietly(leg.prefill_url, leg.worker_request_id)
             else:
                 await self._reserver.release(leg)
-            if not committed:
                 # Any failure before the commit (D dead, KV never verified or failed its value
                 # check, reservation gone) is the handoff's.
                 self._on_kv_outcome(Handoff.FAILED, str(exc))
-            if not _recoverable(exc) or (isinstance(exc, WorkerCallError) and exc.status == 400):
-                raise
-            if committed:
-                run.failed_decode.add(leg.decode_url)
-                raise _StepFailed(Failure.DECODE_DIED, exc) from exc
-            run.failed_prefill.add(leg.prefill_url)
-            raise _StepFailed(Failure.HANDOFF_FAILED, exc, leg.decode_url) from exc
+            phase = Phase.DECODE if committed else Phase.HANDOFF
+            if classify(phase, cause_of(exc)) is not None:
+                (run.failed_decode if committed else run.failed_prefill).add(
+                    leg.decode_url if committed else leg.prefill_url
+                )
+            fail_step(phase, exc, decode_url=None if committed else leg.decode_url)
+            raise
 
     def _report_handoff(self, event: TokenEvent) -> None:
         """A commit: a success for the breaker, unless D says the KV came far too slowly."""
@@ -384,7 +377,7 @@ class DisaggFlow:
         self, run: _Run, prefer: str | None, label: str
     ) -> AsyncGenerator[TokenChunk, None]:
         """Run the request on one decode worker from after `sent`, prompt recomputed there;
-        `_StepFailed(resume_failed)` if that worker fails."""
+        `StepFailed(resume_failed)` if that worker fails."""
         request = run.request
         timeline = request.timeline
         candidates = [v.url for v in rank_decode(self._pool.snapshot(), exclude=run.failed_decode)]
@@ -429,10 +422,11 @@ class DisaggFlow:
         finished = False
         try:
             with self._pool.inflight(url):
-                async with contextlib.aclosing(self._client.generate(url, body)) as s:
-                    async for event in s:
-                        if event.error is not None or event.finish_reason == "error":
-                            raise _stream_error(url, event)
+                async with (
+                    contextlib.aclosing(self._client.generate(url, body)) as s,
+                    contextlib.aclosing(until_finished(url, s, "generate")) as events,
+                ):
+                    async for event in events:
                         if timeline.state is S.ROUTED:
                             timeline.advance(S.DECODING, url)
                         run.sent.extend(event.token_ids)
@@ -442,14 +436,13 @@ class DisaggFlow:
                             yield TokenChunk.of_event(event, event.finish_reason or "stop")
                             return
                         yield TokenChunk.of_event(event)
-            raise WorkerUnreachable(url, "stream ended before finished")
         except RouterError as exc:
             if isinstance(exc, WorkerUnreachable):
                 self._pool.mark_failed(url, str(exc))
-            if not _recoverable(exc):
-                raise
-            run.failed_decode.add(url)
-            raise _StepFailed(Failure.RESUME_FAILED, exc) from exc
+            if classify(Phase.RESUME, cause_of(exc)) is not None:
+                run.failed_decode.add(url)
+            fail_step(Phase.RESUME, exc)
+            raise
         finally:
             if not finished and url in run.failed_decode:
                 self._client.release_in_background(url, rid)  # the next worker goes on now
@@ -488,12 +481,4 @@ def _handoff_detail(event: TokenEvent) -> str:
     return (
         f"transport={h.transport or 'none'} bytes={h.num_bytes} seconds={h.seconds}"
         f" canary={h.canary}" + (" SLOW" if h.slow else "")
-    )
-
-
-def _stream_error(url: str, event: TokenEvent) -> WorkerCallError:
-    detail = event.error or "stream failed"
-    kind = event.error_type or "StreamError"
-    return WorkerCallError(
-        url, 500, ErrorBody(error=detail, type=kind, retryable=kind not in _FINAL_ERRORS)
     )

@@ -1,18 +1,24 @@
 """The failure policy of a disaggregated request, as a table. Pure.
 
-When a step of a request fails, what happened (`Failure`) decides which recovery steps may
-follow, in order (`RECOVERY`); the router's configuration (`--recovery`) and the request's
-budget (`Budget`: re-prefills and migrations left) decide which of them is taken
-(`next_step`). None left: the request fails with the error that ended its last step.
+When a step of a request fails, `classify` names what happened (`Failure`) from where it
+failed (`Phase`) and what the error says about the worker (`Cause`, from `cause_of`); the
+failure decides which recovery steps may follow, in order (`RECOVERY`); the router's
+configuration (`--recovery`) and the request's budget (`Budget`: re-prefills and migrations
+left) decide which of them is taken (`next_step`). No failure (a bad request, a deadline) or
+no step left: the request fails with the error that ended its last step.
 
-    failure             detection                                 steps, in order
-    no_prefill_worker   no healthy compatible prefill worker      local_prefill
-    prefill_failed      /prefill errored or the worker died       reprefill, local_prefill
-    handoff_failed      /decode failed before the commit (the     reprefill, local_prefill
-                        transfer failed, the KV failed its value
-                        check, the reservation was lost)
-    decode_died         the decode stream broke after the commit  migrate
-    resume_failed       a local-prefill or migration stream broke migrate
+    phase    cause (unreachable, refused or state_lost)   failure             steps, in order
+    reserve  no_prefill: no usable prefill worker         no_prefill_worker   local_prefill
+    prefill  /prefill errored or the worker died          prefill_failed      reprefill, local_prefill
+    handoff  /decode failed before the commit (transfer   handoff_failed      reprefill, local_prefill
+             failed, KV failed its value check, the
+             reservation expired or was lost)
+    decode   the decode stream broke after the commit     decode_died         migrate
+    resume   a local-prefill or migration stream broke    resume_failed       migrate
+
+A worker that no longer knows the request (404: its reservation or lease expired while the
+other side was paused, or it restarted) is `state_lost`: recoverable like a dead worker,
+never a 502.
 
 `retry_transfer` (resending the held snapshot) happens inside the prefill worker, before a
 handoff counts as failed, so it is not a step here.
@@ -25,7 +31,40 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from pdserve.errors import RouterError, WorkerCallError, WorkerUnreachable
 from pdserve.protocol.request_state import Reason
+
+
+class Phase(enum.Enum):
+    """Where in a disaggregated request a step failed."""
+
+    RESERVE = "reserve"  # choosing and reserving the decode/prefill pair
+    PREFILL = "prefill"  # POST /prefill
+    HANDOFF = "handoff"  # POST /decode before its first line (the commit)
+    DECODE = "decode"  # the decode stream after the commit
+    RESUME = "resume"  # POST /generate of a local prefill or a migration
+
+
+class Cause(enum.Enum):
+    """What an error says about the worker that raised it."""
+
+    UNREACHABLE = "unreachable"  # connection refused, reset or timed out; the stream broke
+    REFUSED = "refused"  # a refusal another worker may not share (503, no blocks, bad KV)
+    STATE_LOST = "state_lost"  # 404: it no longer knows the request (expired, restarted)
+    BAD_REQUEST = "bad_request"  # 400: the request itself; every worker would say the same
+    FATAL = "fatal"  # anything else that is not worth another worker (a deadline)
+    NO_PREFILL = "no_prefill"  # decode workers are up, none has a usable prefill partner
+
+
+def cause_of(exc: RouterError) -> Cause:
+    """The cause an error stands for (the status and retryable flag, never the message)."""
+    if isinstance(exc, WorkerUnreachable):
+        return Cause.UNREACHABLE
+    if isinstance(exc, WorkerCallError) and exc.status == 400:
+        return Cause.BAD_REQUEST
+    if isinstance(exc, WorkerCallError) and exc.status == 404:
+        return Cause.STATE_LOST
+    return Cause.REFUSED if exc.retryable else Cause.FATAL
 
 
 class Failure(enum.Enum):
@@ -59,6 +98,46 @@ RECOVERY: Mapping[Failure, tuple[Step, ...]] = MappingProxyType(
         Failure.RESUME_FAILED: (Step.MIGRATE,),
     }
 )
+
+_WORKER_FAULTS = (Cause.UNREACHABLE, Cause.REFUSED, Cause.STATE_LOST)
+
+# (phase, cause) -> failure; a pair not here is not recoverable.
+CLASSIFY: Mapping[tuple[Phase, Cause], Failure] = MappingProxyType(
+    {
+        (Phase.RESERVE, Cause.NO_PREFILL): Failure.NO_PREFILL_WORKER,
+        **{(Phase.PREFILL, c): Failure.PREFILL_FAILED for c in _WORKER_FAULTS},
+        **{(Phase.HANDOFF, c): Failure.HANDOFF_FAILED for c in _WORKER_FAULTS},
+        **{(Phase.DECODE, c): Failure.DECODE_DIED for c in _WORKER_FAULTS},
+        **{(Phase.RESUME, c): Failure.RESUME_FAILED for c in _WORKER_FAULTS},
+    }
+)
+
+
+def classify(phase: Phase, cause: Cause) -> Failure | None:
+    """The failure a step's error is (None: not recoverable, the request fails with it)."""
+    return CLASSIFY.get((phase, cause))
+
+
+class StepFailed(Exception):
+    """A step ended without finishing the request; the recovery table decides what follows."""
+
+    def __init__(self, failure: Failure, cause: RouterError, decode_url: str | None = None):
+        super().__init__(str(cause))
+        self.failure = failure
+        self.cause = cause
+        # The decode worker a local prefill should try first (the one that was chosen).
+        self.decode_url = decode_url
+
+
+def fail_step(
+    phase: Phase, exc: RouterError, cause: Cause | None = None, decode_url: str | None = None
+) -> None:
+    """Raise `StepFailed` if the recovery table can answer `exc` in `phase`; else return (the
+    caller re-raises `exc`: the request fails with it)."""
+    failure = classify(phase, cause_of(exc) if cause is None else cause)
+    if failure is not None:
+        raise StepFailed(failure, exc, decode_url) from exc
+
 
 # The timeline reason recorded when a step is taken after a failure.
 STEP_REASON: Mapping[tuple[Failure, Step], Reason] = MappingProxyType(

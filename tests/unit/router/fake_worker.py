@@ -59,6 +59,8 @@ class FakeWorker:
     prefill_delay_s: float = 0.0
     # This many /decode calls report that the KV never verified, before any token.
     fail_kv_times: int = 0
+    # This many /decode calls find their reservation gone (it expired while the prefill ran).
+    expire_reservations_times: int = 0
     # Cut /decode and /generate streams (no finished event) after this many tokens.
     cut_after_tokens: int | None = None
     # Refuse this many reservations (503) before accepting.
@@ -187,6 +189,10 @@ class FakeWorker:
         self.calls.append(("/decode", body.request_id))
         self.bodies.append(body)
         reserved = self.reserved.pop(body.request_id, None)
+        if reserved is not None and self.expire_reservations_times > 0:
+            self.expire_reservations_times -= 1
+            self.num_active -= 1
+            reserved = None
         if reserved is None:
             return _error(404, "unknown request", "RequestNotFound")
         try:

@@ -113,6 +113,26 @@ def test_retryable_prefill_failure_retries_on_another_prefill_worker(
     run(body)
 
 
+def test_a_reservation_that_expired_during_prefill_is_re_prefilled_not_a_502(
+    model: Path, tokens: list[int]
+) -> None:
+    # The prefill worker was paused past the reservation's lease: the decode worker no longer
+    # knows the request (404) when the router asks it to decode. That is recoverable.
+    paused = FakeWorker("prefill", tokens)
+    other = FakeWorker("prefill", tokens, num_running=1)  # ranked after `paused`
+    decode = FakeWorker("decode", tokens, expire_reservations_times=1)
+
+    async def body() -> None:
+        async with router(model, [paused, other, decode]) as client:
+            resp = await client.post("/v1/completions", json=completion())
+            assert resp.status == 200, await resp.text()
+            rid = paused.calls[-1][1]
+            assert decode.paths() == ["/reserve", "/decode", "/release", "/reserve", "/decode"]
+            assert other.calls[-1][1] == f"{rid}.r1" == decode.calls[-1][1]
+
+    run(body)
+
+
 def test_client_disconnect_mid_stream_releases(model: Path, tokens: list[int]) -> None:
     prefill = FakeWorker("prefill", tokens)
     decode = FakeWorker("decode", tokens, token_delay_s=0.05)
