@@ -60,10 +60,12 @@ test: install system-deps client-venvs
 
 # The GPU check (`pdserve bench gpu-check`: parity, engine speed at batch 1/32/128 and a
 # disaggregated run on one GPU, < 8 min on an H200), run with the machine's own CUDA torch and
-# this checkout on PYTHONPATH. An image without registry access lacks pydantic: `make
-# gpu-wheels` (here, where pip works) downloads it as CPython 3.12 wheels into .whl/, and
+# this checkout on PYTHONPATH. An image without registry access lacks pydantic and
+# prometheus-client: `make gpu-wheels` (here, where pip works) downloads them as CPython 3.12
+# wheels into .whl/, and
 # `make gpu-check` installs whatever is in .whl/ into /tmp/site first.
-GPU_WHEELS := pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
+GPU_WHEELS := pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
+	prometheus-client==0.26.0
 GPU_CHECK_JSON ?= gpu_check.json
 
 gpu-wheels:

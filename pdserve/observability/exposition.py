@@ -1,19 +1,29 @@
-"""The Prometheus text exposition format (version 0.0.4): histograms, rendering and parsing.
+"""Prometheus metrics rendered and parsed by `prometheus_client`, from the spec table.
 
-Rendering takes a `MetricSpec` from `metric_names` for every family, so nothing is exported
-under a name that is not declared there; a sample whose label names differ from the spec's
-raises ValueError (a programming error, caught by the unit tests). Parsing is the inverse, used
-by `pdserve top` and by tests that compare metrics with timelines. Pure: no I/O, no client
-library; not thread-safe (each process renders from its event loop).
+Every family is built from its `MetricSpec` (`metric_names`), so nothing is exported under a
+name that is not declared there; a sample whose label names differ from the spec's raises
+ValueError (a programming error, caught by the unit tests). The values stay with their owners
+(counters, `Histogram`s) and are read at scrape time into the library's metric families, which
+`render_text` writes in the text format (0.0.4); `parse` reads a scrape back (`pdserve top`, the
+tests that compare metrics with timelines). Not thread-safe: each process renders from its
+event loop.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+from prometheus_client import generate_latest
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.observability.metric_spec import MetricSpec
 
@@ -60,41 +70,13 @@ class Histogram:
                 return bound
         return math.inf
 
-    def render(self, name: str, labels: Labels | None = None) -> list[str]:
-        """The `_bucket`, `_sum` and `_count` lines."""
-        base = dict(labels or {})
-        lines, running = [], 0
+    def buckets(self) -> list[tuple[str, float]]:
+        """Cumulative (le, count) pairs, +Inf last, as the exposition format has them."""
+        pairs, running = [], 0
         for bound, count in zip((*self.bounds, math.inf), self.counts, strict=True):
             running += count
-            le = "+Inf" if bound == math.inf else repr(bound)
-            lines.append(sample_line(f"{name}_bucket", {**base, "le": le}, running))
-        lines += [
-            sample_line(f"{name}_sum", base, self.total),
-            sample_line(f"{name}_count", base, self.num),
-        ]
-        return lines
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _number(value: float) -> str:
-    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
-        return str(int(value))
-    return repr(float(value))
-
-
-def sample_line(name: str, labels: Labels, value: float) -> str:
-    """`name{k="v",...} value`."""
-    if not labels:
-        return f"{name} {_number(value)}"
-    inner = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
-    return f"{name}{{{inner}}} {_number(value)}"
-
-
-def _header(spec: MetricSpec) -> list[str]:
-    return [f"# HELP {spec.name} {spec.help}", f"# TYPE {spec.name} {spec.kind}"]
+            pairs.append(("+Inf" if bound == math.inf else repr(bound), float(running)))
+        return pairs
 
 
 def _check(spec: MetricSpec, labels: Labels) -> None:
@@ -102,13 +84,14 @@ def _check(spec: MetricSpec, labels: Labels) -> None:
         raise ValueError(f"{spec.name}: labels {tuple(labels)} differ from {spec.labels}")
 
 
-def render_family(spec: MetricSpec, samples: Iterable[tuple[Labels, float]]) -> list[str]:
-    """A counter or gauge family: its header and one line per (labels, value)."""
-    lines = _header(spec)
+def render_family(spec: MetricSpec, samples: Iterable[tuple[Labels, float]]) -> list[Metric]:
+    """A counter or gauge family with one sample per (labels, value)."""
+    kind = CounterMetricFamily if spec.kind == "counter" else GaugeMetricFamily
+    family = kind(spec.name, spec.help, labels=spec.labels)
     for labels, value in samples:
         _check(spec, labels)
-        lines.append(sample_line(spec.name, labels, value))
-    return lines
+        family.add_metric(list(labels.values()), float(value))
+    return [family]
 
 
 def by_label(base: Labels, label: str, counts: Mapping[str, float]) -> list[tuple[Labels, float]]:
@@ -116,18 +99,33 @@ def by_label(base: Labels, label: str, counts: Mapping[str, float]) -> list[tupl
     return [({**base, label: key}, n) for key, n in sorted(counts.items())]
 
 
-def render_histograms(spec: MetricSpec, series: Iterable[tuple[Labels, Histogram]]) -> list[str]:
-    """A histogram family: its header and each labelled histogram's lines."""
-    lines = _header(spec)
+def render_histograms(spec: MetricSpec, series: Iterable[tuple[Labels, Histogram]]) -> list[Metric]:
+    """A histogram family with each labelled histogram's buckets, sum and count."""
+    family = HistogramMetricFamily(spec.name, spec.help, labels=spec.labels)
     for labels, hist in series:
         _check(spec, labels)
-        lines += hist.render(spec.name, labels)
-    return lines
+        family.add_metric(list(labels.values()), hist.buckets(), sum_value=hist.total)
+    return [family]
+
+
+@dataclass(frozen=True, slots=True)
+class _Families:
+    """What `generate_latest` collects from: the families of one scrape."""
+
+    families: Sequence[Metric]
+
+    def collect(self) -> Iterable[Metric]:
+        return self.families
+
+
+def render_text(families: Sequence[Metric]) -> str:
+    """The families in the Prometheus text format (0.0.4)."""
+    return generate_latest(_Families(families)).decode()
 
 
 @dataclass(frozen=True, slots=True)
 class Sample:
-    """One parsed line."""
+    """One parsed sample."""
 
     name: str
     labels: tuple[tuple[str, str], ...]
@@ -137,35 +135,22 @@ class Sample:
         return dict(self.labels).get(key)
 
 
-_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?$")
-_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"\s*,?')
-
-
-def _unescape(value: str) -> str:
-    return re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), value)
-
-
 def parse(text: str) -> list[Sample]:
-    """Every sample line of an exposition text; ValueError naming a malformed line."""
-    samples: list[Sample] = []
-    for lineno, raw in enumerate(text.splitlines(), 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        match = _LINE.match(line)
-        if match is None:
-            raise ValueError(f"line {lineno}: not a sample: {raw!r}")
-        name, body, value = match.groups()
-        labels: list[tuple[str, str]] = []
-        pos = 0
-        while body is not None and pos < len(body):
-            label = _LABEL.match(body, pos)
-            if label is None:
-                raise ValueError(f"line {lineno}: bad labels: {raw!r}")
-            labels.append((label.group(1), _unescape(label.group(2))))
-            pos = label.end()
-        samples.append(Sample(name, tuple(labels), float(value)))
-    return samples
+    """Every sample of an exposition text; ValueError naming the first malformed line."""
+    try:
+        return [
+            Sample(s.name, tuple(s.labels.items()), float(s.value))
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        ]
+    except ValueError:
+        # The library names no line: find it, so a bad scrape says where it went wrong.
+        for lineno, raw in enumerate(text.splitlines(), 1):
+            try:
+                list(text_string_to_metric_families(raw + "\n"))
+            except ValueError as exc:
+                raise ValueError(f"line {lineno}: not a sample: {raw!r} ({exc})") from None
+        raise
 
 
 def total(samples: Iterable[Sample], name: str, **labels: str) -> float:

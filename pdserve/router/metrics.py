@@ -15,6 +15,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from prometheus_client.metrics_core import Metric
+
 from pdserve.observability import metric_names as m
 from pdserve.observability.exposition import (
     CONTENT_TYPE,
@@ -22,6 +24,7 @@ from pdserve.observability.exposition import (
     Histogram,
     render_family,
     render_histograms,
+    render_text,
 )
 from pdserve.observability.request_stats import RequestStats
 from pdserve.router.mode.breaker import BreakerState, CircuitBreaker
@@ -78,7 +81,7 @@ class RouterMetrics:
     # The pool's workers, read at scrape time (None: no worker gauges).
     workers: Callable[[], Sequence[WorkerGauges]] | None = None
     # Families kept elsewhere (the live monitor, the automatic mode), rendered after these.
-    extra: list[Callable[[], list[str]]] = field(default_factory=list)
+    extra: list[Callable[[], list[Metric]]] = field(default_factory=list)
 
     def count_request(self, mode: str, status: str) -> None:
         """One finished request: status is "ok", "client_error", "no_capacity" or "error"."""
@@ -146,11 +149,11 @@ class RouterMetrics:
             lines += _render_workers(self.workers())
         for render in self.extra:
             lines += render()
-        return "\n".join(lines) + "\n"
+        return render_text(lines)
 
 
-def _render_workers(workers: Sequence[WorkerGauges]) -> list[str]:
-    lines: list[str] = []
+def _render_workers(workers: Sequence[WorkerGauges]) -> list[Metric]:
+    lines: list[Metric] = []
     for spec, value in (
         (m.ROUTER_WORKER_UP, lambda w: float(w.up)),
         (m.ROUTER_WORKER_BLOCKS_FREE, lambda w: w.num_free_blocks),

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from prometheus_client.metrics_core import Metric
+
 from pdserve.engine.outputs import EngineStats
 from pdserve.observability import metric_names as m
 from pdserve.observability.exposition import (
@@ -23,6 +25,7 @@ from pdserve.observability.exposition import (
     Histogram,
     render_family,
     render_histograms,
+    render_text,
 )
 
 # Refusal reasons (error classes) that mean the two builds differ: version skew between a
@@ -76,7 +79,7 @@ def render(
 ) -> str:
     """Prometheus exposition text (version 0.0.4)."""
     w = {"worker_id": worker_id}
-    lines: list[str] = []
+    lines: list[Metric] = []
     for spec, value in (
         (m.WORKER_BLOCKS_TOTAL, stats.num_blocks),
         (m.WORKER_BLOCKS_FREE, stats.num_free_blocks),
@@ -114,7 +117,7 @@ def render(
             (m.WORKER_KV_SEND_THROUGHPUT, sends.gigabytes_per_second),
         ):
             lines += render_histograms(spec, [(w, hist)])
-    return "\n".join(lines) + "\n"
+    return render_text(lines)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,4 +143,4 @@ def render_fail_closed(worker_id: str, counters: FailClosedCounters) -> str:
         (m.WORKER_ADMISSION_REFUSALS, counters.admission_refusals),
     ):
         lines += render_family(spec, [(w, value)])
-    return "\n".join(lines) + "\n"
+    return render_text(lines)

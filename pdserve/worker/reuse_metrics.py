@@ -17,15 +17,17 @@ It formats numbers; it does not know where they come from beyond `EngineStats`.
 
 from __future__ import annotations
 
+from prometheus_client.metrics_core import Metric
+
 from pdserve.engine.outputs import EngineStats
 from pdserve.observability import metric_names as m
-from pdserve.observability.exposition import render_family
+from pdserve.observability.exposition import render_family, render_text
 
 
 def render_reuse(worker_id: str, stats: EngineStats) -> str:
     """Prometheus exposition lines (counters) for `stats`; names from `metric_names`."""
     labels = {"worker_id": worker_id}
-    lines: list[str] = []
+    lines: list[Metric] = []
     for spec, value in (
         (m.WORKER_PREFILL_TOKENS, stats.num_prefill_tokens_total),
         (m.WORKER_PREFILL_CACHED_TOKENS, stats.num_prefill_cached_tokens_total),
@@ -34,4 +36,4 @@ def render_reuse(worker_id: str, stats: EngineStats) -> str:
         (m.WORKER_KV_RECEIVED_CACHED_TOKENS, stats.num_remote_cached_tokens_total),
     ):
         lines += render_family(spec, [(labels, value)])
-    return "\n".join(lines) + "\n"
+    return render_text(lines)

@@ -19,7 +19,7 @@ import dataclasses
 from pdserve.engine.outputs import RequestDelta
 from pdserve.engine.step_stats import StepKind, StepTotals
 from pdserve.observability import metric_names as m
-from pdserve.observability.exposition import render_family
+from pdserve.observability.exposition import render_family, render_text
 from pdserve.protocol.worker_api import StepInfo, StepTotalsModel
 
 
@@ -63,4 +63,4 @@ def render_steps(worker_id: str, totals: StepTotals) -> str:
             ({**w, "phase": "decode"}, totals.decode_busy_s),
         ],
     )
-    return "\n".join(lines) + "\n"
+    return render_text(lines)

@@ -27,6 +27,8 @@ import math
 from collections import Counter, deque
 from dataclasses import dataclass
 
+from prometheus_client.metrics_core import Metric
+
 from pdserve.clock import Clock, MonotonicClock
 from pdserve.observability import metric_names as m
 from pdserve.observability.exposition import render_family
@@ -239,7 +241,7 @@ class AutoController:
         num_prefill = len(self.pool.overlay.prefill_urls & {w.url for w in workers})
         return num_prefill, len(workers) - num_prefill
 
-    def render(self) -> list[str]:
+    def render(self) -> list[Metric]:
         """Prometheus lines: decisions by (action, reason), workers per role, split or not."""
         lines = render_family(
             m.ROUTER_AUTO_DECISIONS,

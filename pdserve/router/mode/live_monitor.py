@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from prometheus_client.metrics_core import Metric
+
 from pdserve.clock import Clock, MonotonicClock
 from pdserve.observability import metric_names as m
 from pdserve.observability.exposition import Histogram, render_family, render_histograms
@@ -79,9 +81,9 @@ class LiveMonitor:
         """The live window now (from `since_s` on, when given: monotonic seconds)."""
         return self.window.figures(self.clock.now(), since_s)
 
-    def render(self) -> list[str]:
+    def render(self) -> list[Metric]:
         """Prometheus lines of every family this monitor keeps."""
-        lines: list[str] = []
+        lines: list[Metric] = []
         for spec, hists in (
             (m.ROUTER_DECODE_TPOT, self.decode_tpot),
             (m.ROUTER_DECODE_STEP, self.decode_step),

@@ -25,13 +25,14 @@ from collections import Counter
 from collections.abc import Sequence
 
 from aiohttp import web
+from prometheus_client.metrics_core import Metric
 
 from pdserve.checkpoint.holder import Refusal
 from pdserve.engine.canary import ValueDigest
 from pdserve.engine.engine import Engine
 from pdserve.errors import CheckpointRefused, PdserveError
 from pdserve.observability import checkpoint_metric_names as cm
-from pdserve.observability.exposition import by_label, render_family
+from pdserve.observability.exposition import by_label, render_family, render_text
 from pdserve.protocol.checkpoint_api import (
     CheckpointFound,
     CheckpointLookup,
@@ -141,7 +142,7 @@ class PrefixCacheSource:
     def render(self, worker_id: str) -> str:
         """Prometheus lines of the cache source's counters."""
         w = {"worker_id": worker_id}
-        lines: list[str] = []
+        lines: list[Metric] = []
         for spec, value in (
             (cm.WORKER_CACHE_SOURCE_LOOKUPS, self.num_lookups),
             (cm.WORKER_CACHE_SOURCE_SENT_BLOCKS, self.num_blocks_sent),
@@ -152,7 +153,7 @@ class PrefixCacheSource:
         lines += render_family(
             cm.WORKER_CACHE_SOURCE_SEND_FAILURES, by_label(w, "error", self.send_failures)
         )
-        return "\n".join(lines) + "\n"
+        return render_text(lines)
 
 
 def _copy_with_digest(

@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from aiohttp import web
+from prometheus_client.metrics_core import Metric
 from pydantic import BaseModel
 
 from pdserve.checkpoint.host_tier import HostTier
@@ -26,7 +27,7 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestDelta
 from pdserve.errors import RequestNotFound
 from pdserve.observability import checkpoint_metric_names as cm
-from pdserve.observability.exposition import by_label, render_family
+from pdserve.observability.exposition import by_label, render_family, render_text
 from pdserve.observability.timeline_log import EventRing
 from pdserve.protocol.checkpoint_api import (
     CheckpointLookup,
@@ -216,7 +217,7 @@ class CheckpointService:
         """Prometheus lines of every checkpoint counter and gauge."""
         w = {"worker_id": worker_id}
         tier, store, counters = self.store.tier, self.store, self.streams.counters
-        lines: list[str] = []
+        lines: list[Metric] = []
         lines += render_family(
             cm.WORKER_CHECKPOINT_RESUMES,
             [({**w, "path": p, "reason": r}, n) for (p, r), n in sorted(self.resumes.items())],
@@ -251,4 +252,4 @@ class CheckpointService:
             cm.WORKER_CHECKPOINT_CANARY, by_label(w, "result", self.canary_counts)
         )
         lines += render_family(cm.WORKER_CHECKPOINT_REFUSALS, by_label(w, "reason", tier.refused))
-        return "\n".join(lines) + "\n"
+        return render_text(lines)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from pdserve.faults import parse_rules
+from pdserve.observability.exposition import render_text
 from pdserve.protocol.worker_api import (
     FaultPlanBody,
     FaultState,
@@ -127,7 +128,7 @@ class ObserveRoutes:
                 admission_refusals=api.num_admission_refusals,
             ),
         )
-        text += "\n".join(self.transport_stats().render(api.worker_id)) + "\n"
+        text += render_text(self.transport_stats().render(api.worker_id))
         if api.checkpoints is not None:
             text += api.checkpoints.render(api.worker_id)
         if api.cache_source is not None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from prometheus_client.metrics_core import Metric
+
 from pdserve.observability import metric_names as m
 from pdserve.observability.exposition import render_family
 
@@ -96,10 +98,10 @@ class TransportStats:
             if pair.slow
         ]
 
-    def render(self, worker_id: str) -> list[str]:
+    def render(self, worker_id: str) -> list[Metric]:
         """Prometheus lines of every family here."""
         w = {"worker_id": worker_id}
-        lines: list[str] = []
+        lines: list[Metric] = []
         lines += render_family(
             m.WORKER_KV_TRANSPORT_BYTES,
             (

@@ -12,6 +12,7 @@ from pdserve.observability.exposition import (
     parse,
     render_family,
     render_histograms,
+    render_text,
     total,
 )
 
@@ -20,14 +21,16 @@ def test_histogram_buckets_are_cumulative_and_a_bound_is_inclusive() -> None:
     h = Histogram((0.1, 1.0))
     for v in (0.05, 0.1, 0.5, 2.0):
         h.observe(v)
-    lines = h.render("x_seconds", {"worker_id": "w"})
-    assert lines == [
-        'x_seconds_bucket{worker_id="w",le="0.1"} 2',
-        'x_seconds_bucket{worker_id="w",le="1.0"} 3',
-        'x_seconds_bucket{worker_id="w",le="+Inf"} 4',
-        'x_seconds_sum{worker_id="w"} 2.65',
-        'x_seconds_count{worker_id="w"} 4',
-    ]
+    assert h.buckets() == [("0.1", 2.0), ("1.0", 3.0), ("+Inf", 4.0)]
+    text = render_text(render_histograms(m.WORKER_KV_SEND_SECONDS, [({"worker_id": "w"}, h)]))
+    name = m.WORKER_KV_SEND_SECONDS.name
+    assert {(s.name, s.label("le"), s.value) for s in parse(text)} == {
+        (f"{name}_bucket", "0.1", 2.0),
+        (f"{name}_bucket", "1.0", 3.0),
+        (f"{name}_bucket", "+Inf", 4.0),
+        (f"{name}_sum", None, 2.65),
+        (f"{name}_count", None, 4.0),
+    }
     assert h.quantile(0.5) == 0.1 and h.quantile(0.75) == 1.0 and h.quantile(1.0) == math.inf
     assert Histogram((1.0,)).quantile(0.5) is None
 
@@ -43,7 +46,7 @@ def test_rendered_text_parses_back_with_escaped_labels() -> None:
     lines = render_family(
         m.ROUTER_FALLBACKS, [({"reason": 'a "quoted"\\ \nreason'}, 3), ({"reason": "b"}, 0.5)]
     )
-    samples = parse("\n".join(lines))
+    samples = parse(render_text(lines))
     assert [(s.name, s.label("reason"), s.value) for s in samples] == [
         ("pdserve_router_fallbacks_total", 'a "quoted"\\ \nreason', 3.0),
         ("pdserve_router_fallbacks_total", "b", 0.5),

@@ -76,7 +76,7 @@ def test_router_values_follow_the_observations() -> None:
     assert samples[("pdserve_router_retries_total", (("reason", "reprefill"),))] == 1
     assert samples[("pdserve_router_fallbacks_total", (("reason", "local_prefill"),))] == 1
     assert samples[("pdserve_router_migrations_total", ())] == 1
-    up = (("worker", "http://w:2"), ("role", "unknown"))
+    up = (("role", "unknown"), ("worker", "http://w:2"))  # the library sorts label names
     assert samples[("pdserve_router_worker_up", up)] == 0
     # A worker never polled has no block gauge rather than a made-up 0.
     assert ("pdserve_router_worker_blocks_free", up) not in samples

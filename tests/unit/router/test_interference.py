@@ -9,7 +9,7 @@ import pytest
 
 from pdserve.clock import FakeClock
 from pdserve.errors import ConfigError
-from pdserve.observability.exposition import parse, total
+from pdserve.observability.exposition import parse, render_text, total
 from pdserve.observability.request_stats import RequestStats
 from pdserve.protocol.worker_api import StepInfo
 from pdserve.router.mode.interference import (
@@ -136,7 +136,7 @@ def test_the_live_monitor_renders_labelled_histograms_outcomes_and_window_gauges
     monitor.chunk(tracker, step(prefill=800), 0.2, 1)
     stats = RequestStats(ttft_s=0.1, e2e_s=0.3, tpot_s=0.1, queue_s=None)
     assert monitor.end(tracker, stats, finished=True) is SLOOutcome.MISSED_TPOT
-    samples = parse("\n".join(monitor.render()) + "\n")
+    samples = parse(render_text(monitor.render()))
     tpot = "pdserve_router_decode_tpot_seconds"
     assert total(samples, f"{tpot}_count", prefill="with") == 1
     assert total(samples, f"{tpot}_sum", prefill="without") == pytest.approx(0.003)
@@ -150,5 +150,5 @@ def test_the_live_monitor_renders_labelled_histograms_outcomes_and_window_gauges
     assert (figures.num_tpot_missed, figures.num_tpot_missed_interfered) == (1, 1)
     clock.advance(11.0)
     # Past the window: no request, so no attainment sample at all (not a NaN).
-    later = parse("\n".join(monitor.render()) + "\n")
+    later = parse(render_text(monitor.render()))
     assert not [s for s in later if s.name == "pdserve_router_slo_attainment"]

@@ -15,7 +15,7 @@ from router_harness import completion, router, run
 
 from pdserve.clock import FakeClock
 from pdserve.model.tokenizer import Tokenizer
-from pdserve.observability.exposition import parse, total
+from pdserve.observability.exposition import parse, render_text, total
 from pdserve.observability.request_stats import RequestStats
 from pdserve.protocol.worker_api import StepInfo, WorkerHealth
 from pdserve.router.config import AffinityConfig
@@ -236,7 +236,7 @@ def test_one_evaluation_splits_the_pool_and_sets_the_mode(tokens: list[int]) -> 
             assert dispatcher.mode == "disagg"
             assert controller.layout_counts() == (1, 1)
             assert controller.counts[(Action.SPLIT, Reason.INTERFERENCE)] == 1
-            rendered = parse("\n".join(controller.render()) + "\n")
+            rendered = parse(render_text(controller.render()))
             assert total(rendered, "pdserve_router_auto_split") == 1
             assert total(rendered, "pdserve_router_auto_workers", role="prefill") == 1
             assert (
