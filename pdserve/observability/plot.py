@@ -25,8 +25,8 @@ WORKER_SPANS: dict[str, tuple[str, ...]] = {
     "prefill_start": ("prefill_end",),
     "kv_send_start": ("kv_send_acked", "kv_send_failed"),
     "reserved": ("kv_verified", "reservation_cancelled"),
-    "decode_start": ("finished",),
-    "generate_start": ("finished",),
+    "decode_start": ("finished", "aborted"),
+    "generate_start": ("finished", "aborted"),
 }
 
 

@@ -197,14 +197,19 @@ def test_a_sender_paused_mid_chunk_past_the_ttl_never_writes_into_reused_blocks(
         extra = ["--fault", fault, "--kv-transport", transport]
         extra += ["--transfer-chunk-timeout-s", "10"]
         handles.append(launch_worker("prefill", tmp_path, model=tiny_model_path, extra_args=extra))
-        handles.append(
-            launch_worker(
-                "both", tmp_path, model=tiny_model_path, extra_args=["--kv-transport", transport]
-            )
-        )
+        # A decode-side cache too small for the victim's 1150 tokens unless it takes the
+        # fenced reservation's blocks (checked below): the reuse is forced, not hoped for.
+        small = ["--kv-transport", transport, "--kv-cache-bytes", str(75 * 64 * 1024)]
+        handles.append(launch_worker("both", tmp_path, model=tiny_model_path, extra_args=small))
         for handle in handles:
             wait_ready(handle)
         prefill, decode = handles
+        status, raw = http(f"{decode.url}/health")
+        health = json.loads(raw)
+        size = health["block_size"]
+        reserved_blocks = -(-len(prompt) // size)
+        victim_blocks = -(-(len(other) + seeded["max_tokens"]) // size)
+        assert victim_blocks <= health["num_blocks"] < victim_blocks + reserved_blocks, health
         request = {"request_id": "stale", "prompt_token_ids": prompt, "sampling": greedy}
         status, raw = signed_post(f"{decode.url}/reserve", {**request, "lease_ttl_s": 1.0})
         assert status == 200, raw
@@ -234,7 +239,9 @@ def test_a_sender_paused_mid_chunk_past_the_ttl_never_writes_into_reused_blocks(
         status, raw = result[0]
         assert status == 200, raw
         tokens = [t for line in raw.splitlines() if line for t in json.loads(line)["token_ids"]]
-        assert tokens == want  # not one stale byte reached its blocks
+        # The victim ran to its 1000th token, so (by the cache's size) it held at least
+        # `victim_blocks + reserved_blocks - num_blocks` of the fenced reservation's blocks.
+        assert tokens == want  # not one stale byte reached them
         assert worker_metric(decode.url, "pdserve_worker_kv_fenced_writers_total") >= 1
         # The resumed sender's retry names a transfer that no longer exists: refused.
         deadline = time.monotonic() + 20

@@ -243,6 +243,11 @@ def test_client_disconnect_mid_stream_aborts_the_request(workers: Workers) -> No
             await response.content.readline()  # one token, then hang up
             response.close()
         await until_idle(session, workers.both)
+        # Idle because it was aborted, not because 1000 tokens ran out: the worker's own
+        # timeline says so, and has no `finished`.
+        async with session.get(f"{workers.both.url}/debug/requests/gone") as response:
+            events = [e["event"] for e in (await response.json())["events"]]
+        assert "aborted" in events and "finished" not in events, events
 
     run(body)
 

@@ -288,6 +288,7 @@ class WorkerAPI:
             if not done:  # the client went away: nobody will read the rest
                 await inbox.cancel(rid, "client disconnected")
                 await self.engine.abort(rid)
+                self.events.record(rid, "aborted", "client disconnected")
         await end_stream(response)
         return response
 
@@ -329,6 +330,7 @@ class WorkerAPI:
                     await replica.close()
                 if not done:
                     await self.engine.abort(body.request_id)
+                    self.events.record(body.request_id, "aborted", "client disconnected")
             await end_stream(response)
             return response
 
