@@ -109,8 +109,7 @@ class HostTier:
         first_version: int,
         block_tokens: Sequence[Sequence[int]],
     ) -> HostPut:
-        """Room for the blocks after `parent_hash` (0: the first block); CheckpointRefused
-        (full, chain, version) before any byte travels."""
+        """`CheckpointHolder.begin_put` in host memory: the blocks' room is allocated here."""
         bs = self.block_size
         where = f"checkpoint put of {owner}"
         if first_version < bs or first_version % bs or not block_tokens:

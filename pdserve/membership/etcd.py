@@ -32,6 +32,7 @@ from pdserve.membership.base import Member, MembershipError, MembersListener
 from pdserve.membership.codec import encode_member, worker_key, workers_prefix
 from pdserve.membership.table import MemberTable, Row
 from pdserve.membership.uri import EtcdEndpoint
+from pdserve.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -91,11 +92,8 @@ class EtcdMembership:
     async def stop(self) -> None:
         """Stop watching and close the connection."""
         self._listener = None
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def _run(self) -> None:
         while True:
@@ -194,11 +192,8 @@ class EtcdRegistration:
 
     async def stop(self) -> None:
         """Stop the keep-alive and revoke the lease, which deletes the key at once."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if self._lease_id is not None:
             client = _client(self.endpoint)
             try:

@@ -18,7 +18,7 @@ row is read once. It walks the context in tiles of BLOCK_N tokens with an online
 (running max and sum, flash-decoding style, without splitting one sequence across programs)
 and computes in float32 whatever the dtypes of q and the cache.
 
-`paged_decode_reference` is the same contract in plain PyTorch, one sequence at a time: the
+`paged_decode_attention(..., impl="reference")` is the same contract in plain PyTorch, one sequence at a time: the
 oracle of the tests and the fallback where the kernel cannot run (no Triton, or CPU tensors).
 
 Verification: its numbers were checked on CPU only, through Triton's interpreter
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -176,17 +176,19 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    impl: Literal["auto", "reference"] = "auto",
 ) -> torch.Tensor:
     """Attention of one query token per sequence (q [B, H, D]) over its cached K/V in `layer`.
 
     block_tables [B, max_blocks] int32 (padding entries must still be valid block ids),
     context_lens [B] int32 (tokens to attend, at most max_blocks * block_size; 0 writes zeros).
-    Returns [B, H, D] in q's dtype, written into `out` when given. Runs the Triton kernel on
-    CUDA tensors (or any tensors under TRITON_INTERPRET=1), `paged_decode_reference` otherwise.
+    Returns [B, H, D] in q's dtype, written into `out` when given. `auto` runs the Triton kernel
+    on CUDA tensors (or any tensors under TRITON_INTERPRET=1) and the reference otherwise;
+    `reference` always runs the reference (plain PyTorch, one sequence at a time, float32).
     """
     _check(q, kv_cache, layer, block_tables, context_lens, out)
-    if not (q.is_cuda or _interpreting()) or not triton_available():
-        return paged_decode_reference(q, kv_cache, layer, block_tables, context_lens, scale, out)
+    if impl == "reference" or not (q.is_cuda or _interpreting()) or not triton_available():
+        return _reference(q, kv_cache, layer, block_tables, context_lens, scale, out)
     if out is None:
         out = torch.empty_like(q)
     batch, num_heads, head_dim = q.shape
@@ -209,30 +211,29 @@ def paged_decode_attention(
     return out
 
 
-def paged_decode_reference(
+def _reference(
     q: torch.Tensor,
-    kv_cache: torch.Tensor,
+    cache: torch.Tensor,
     layer: int,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
     scale: float,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None,
 ) -> torch.Tensor:
-    """`paged_decode_attention` in plain PyTorch: one sequence at a time, in float32."""
-    _check(q, kv_cache, layer, block_tables, context_lens, out)
+    # Checked by the caller; one sequence at a time, in float32.
     if out is None:
         out = torch.empty_like(q)
     batch, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = kv_cache.shape[3], kv_cache.shape[4]
+    block_size, num_kv_heads = cache.shape[3], cache.shape[4]
     for b in range(batch):
-        n = int(context_lens[b])
+        n = int(lens[b])
         if n == 0:
             out[b] = 0
             continue
-        if n > block_tables.shape[1] * block_size:
+        if n > tables.shape[1] * block_size:
             raise ValueError(f"context_lens[{b}] = {n} exceeds its block table")
-        blocks = block_tables[b, : -(-n // block_size)].long()
-        kv = kv_cache[blocks, layer].float()  # [nb, 2, bs, KVH, D]
+        blocks = tables[b, : -(-n // block_size)].long()
+        kv = cache[blocks, layer].float()  # [nb, 2, bs, KVH, D]
         k = kv[:, 0].reshape(-1, num_kv_heads, head_dim)[:n]  # [n, KVH, D]
         v = kv[:, 1].reshape(-1, num_kv_heads, head_dim)[:n]
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [n, H, D], h -> h // group

@@ -60,7 +60,8 @@ class SamplingParams:
     min_p: float = 0.0
     # Seeds the per-token randomness; None lets the engine pick one (and report it).
     seed: int | None = None
-    # Generation stops when the output text contains any of these; the text excludes it.
+    # The output ends before the first of these its text contains (applied by whoever
+    # detokenizes: the router, `LLM`; the engine checks no stop string).
     stop: tuple[str, ...] = field(default_factory=tuple)
     # Generation stops after sampling any of these token ids (EOS is added by the engine).
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)

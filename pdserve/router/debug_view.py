@@ -23,7 +23,12 @@ from pydantic import BaseModel
 from pdserve.errors import RouterError
 from pdserve.observability.clock_sync import ClockSync
 from pdserve.observability.timeline_log import TimelineEvent
-from pdserve.observability.timeline_merge import ProcessEvents, call_bounds, merge_events
+from pdserve.observability.timeline_merge import (
+    MergedEvent,
+    ProcessEvents,
+    call_bounds,
+    merge_events,
+)
 from pdserve.protocol.request_state import RequestTimeline
 from pdserve.router.workers.client import WorkerClient
 from pdserve.router.workers.pool import WorkerPool
@@ -33,18 +38,6 @@ class TransitionView(BaseModel):
     """One router transition."""
 
     state: str
-    monotonic_ns: int
-    wall_time_s: float
-    detail: str
-
-
-class MergedEventView(BaseModel):
-    """One event of any process, on the router's clock (`router_ns`)."""
-
-    process: str
-    request_id: str
-    event: str
-    router_ns: int
     monotonic_ns: int
     wall_time_s: float
     detail: str
@@ -72,7 +65,9 @@ class TimelineView(BaseModel):
     num_output_tokens: int
     first_token_ns: int | None
     last_token_ns: int | None
-    merged: list[MergedEventView]
+    # Every process's events on the router's clock (`router_ns`); pydantic serializes the
+    # dataclass as it is, field by field.
+    merged: list[MergedEvent]
     clocks: list[ClockView]
 
 
@@ -144,17 +139,6 @@ async def timeline_view(
         num_output_tokens=timeline.num_output_tokens,
         first_token_ns=timeline.first_token_ns,
         last_token_ns=timeline.last_token_ns,
-        merged=[
-            MergedEventView(
-                process=e.process,
-                request_id=e.request_id,
-                event=e.event,
-                router_ns=e.router_ns,
-                monotonic_ns=e.monotonic_ns,
-                wall_time_s=e.wall_time_s,
-                detail=e.detail,
-            )
-            for e in merged
-        ],
+        merged=merged,
         clocks=[view for view, _ in answers],
     )

@@ -52,6 +52,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Protocol
 
 from pdserve.errors import PeerClosed, ProtocolError, TransferError
+from pdserve.tasks import cancel_and_wait
 from pdserve.transfer.arena import Arena, locate
 from pdserve.transfer.stream import (
     DEFAULT_RECEIVE_BYTES,
@@ -306,9 +307,7 @@ class SlotStream(ByteStream):
         self._receive_state.break_("closed locally")
         self._credit.set()
         self._data.set()
-        self._reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._reader
+        await cancel_and_wait(self._reader)
         # Drop the views of unread bytes before the inbox and peer arenas they point into are
         # released (a mapping with a live view cannot be closed).
         self._pending.clear()

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.errors import PeerClosed, StreamBroken, TransferError
+from pdserve.tasks import cancel_and_wait
 from pdserve.transfer.stream import (
     DEFAULT_RECEIVE_BYTES,
     Address,
@@ -253,9 +254,7 @@ class TcpServer:
 
     async def aclose(self) -> None:
         """Stop accepting, cancel running handlers and wait for them (idempotent)."""
-        self._accept_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._accept_task
+        await cancel_and_wait(self._accept_task)
         self._sock.close()
         tasks = list(self._connections)
         for task in tasks:

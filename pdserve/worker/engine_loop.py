@@ -157,6 +157,7 @@ class EngineLoop:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
+        *,
         hold_kv: bool = False,
         output_token_ids: list[int] | None = None,
         on_finish: Callable[[Engine], None] | None = None,

@@ -13,13 +13,13 @@ It knows leases, time and callbacks; not engines, blocks or HTTP.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
 
 from pdserve.clock import Clock, MonotonicClock
 from pdserve.errors import LeaseError, LeaseExpired
+from pdserve.tasks import cancel_and_wait
 from pdserve.transfer.lease import LeaseTable
 from pdserve.transfer.sender import LeaseHandle
 
@@ -105,11 +105,8 @@ class LeaseKeeper:
 
     async def aclose(self) -> None:
         """Stop the reaper (idempotent)."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def _reap_forever(self) -> None:
         while True:

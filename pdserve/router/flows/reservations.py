@@ -30,6 +30,7 @@ from pdserve.router.placement.affinity import AffinityPolicy, RouteQuery
 from pdserve.router.placement.policy import WorkerView
 from pdserve.router.workers.client import WorkerClient
 from pdserve.router.workers.pool import WorkerPool
+from pdserve.tasks import cancel_and_wait
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,9 +168,7 @@ class Reserver:
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
 
     async def _renew_forever(self, leg: Leg) -> None:
         # A third of the TTL: two renewals may be lost before the lease lapses.

@@ -21,7 +21,6 @@ clears the overlay.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 from collections import Counter, deque
@@ -51,6 +50,7 @@ from pdserve.router.mode.interference import LiveFigures
 from pdserve.router.mode.live_monitor import LiveMonitor
 from pdserve.router.mode.roles import AssignedPool, assignable, choose_prefill
 from pdserve.router.placement.policy import WorkerView, compatible_digest
+from pdserve.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -130,11 +130,8 @@ class AutoController:
         self._task = asyncio.create_task(self._run(), name="auto-mode")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def _run(self) -> None:
         while True:

@@ -200,13 +200,18 @@ class WorkerClient:
     ) -> _M:
         return await self._abandonable(url, self._post_once(url, path, body, model, timeout_s))
 
+    def _signed(self, path: str, body: BaseModel) -> tuple[bytes, dict[str, str]]:
+        """A POST's body and headers, signed for the cluster."""
+        data = body.model_dump_json().encode()
+        headers = {"Content-Type": "application/json"}
+        headers.update(auth_headers(self._key, "POST", path, data))
+        return data, headers
+
     async def _post_once(
         self, url: str, path: str, body: BaseModel, model: type[_M], timeout_s: float
     ) -> _M:
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self._timeouts.connect_s)
-        data = body.model_dump_json().encode()
-        headers = {"Content-Type": "application/json"}
-        headers.update(auth_headers(self._key, "POST", path, data))
+        data, headers = self._signed(path, body)
         try:
             async with self._session.post(
                 url + path, data=data, headers=headers, timeout=timeout
@@ -223,9 +228,7 @@ class WorkerClient:
             sock_connect=self._timeouts.connect_s,
             sock_read=self._timeouts.stream_read_s,
         )
-        data = body.model_dump_json().encode()
-        headers = {"Content-Type": "application/json"}
-        headers.update(auth_headers(self._key, "POST", path, data))
+        data, headers = self._signed(path, body)
         try:
             async with self._session.post(
                 url + path, data=data, headers=headers, timeout=timeout

@@ -14,13 +14,13 @@ new episode. The decision is pure (`due`); `HealthWatch` runs it against the poo
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Sequence
 
 from pdserve.router.placement.policy import WorkerView
 from pdserve.router.workers.client import WorkerClient
 from pdserve.router.workers.pool import WorkerPool
+from pdserve.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +72,8 @@ class HealthWatch:
 
     async def stop(self) -> None:
         """Stop watching."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

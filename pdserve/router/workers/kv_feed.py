@@ -24,6 +24,7 @@ from pdserve.errors import RouterError
 from pdserve.protocol.worker_api import KVEventsRequest
 from pdserve.router.placement.prefix_index import PrefixIndex
 from pdserve.router.workers.client import WorkerClient
+from pdserve.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +64,7 @@ class KVEventFeed:
     async def stop(self) -> None:
         """Stop every stream."""
         tasks = [t for t in (self._sync_task, *self._tasks.values()) if t is not None]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*tasks)
         self._tasks.clear()
         self._sync_task = None
 

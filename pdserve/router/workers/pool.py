@@ -42,6 +42,7 @@ from pdserve.observability.clock_sync import ClockSync
 from pdserve.protocol.worker_api import WorkerHealth
 from pdserve.router.placement.policy import WorkerView
 from pdserve.router.workers.client import WorkerClient
+from pdserve.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -109,11 +110,7 @@ class WorkerPool:
         if self._membership is not None:
             await self._membership.stop()
         tasks = [t for t in (self._task, *self._join_polls) if t is not None]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*tasks)
         self._task = None
         self._join_polls.clear()
 

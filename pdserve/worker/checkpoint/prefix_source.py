@@ -45,7 +45,7 @@ from pdserve.worker.checkpoint.sender import BlockSender
 from pdserve.worker.checkpoint.store import check_fingerprint
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.engine_loop import EngineInfo, EngineLoop
-from pdserve.worker.kv.outbox import parse_destination
+from pdserve.worker.kv.outbox import peer_destination
 
 
 class PrefixCacheSource:
@@ -103,14 +103,7 @@ class PrefixCacheSource:
                 Refusal.VERSION.value,
                 f"{where}: {len(body.token_ids)} tokens is not whole blocks of {bs}",
             )
-        # Invariant 10: KV goes only where the cluster signed for it.
-        destination = parse_destination(
-            body.reservation,
-            key=self._config.reservation_key,
-            now_s=time.time(),
-            local=self._local,
-            explicit=False,
-        )
+        destination = peer_destination(body.reservation, self._config.reservation_key, self._local)
         tokens = body.token_ids
         blocks, digest = await self._engine.call(lambda e: _copy_with_digest(e, tokens, bs))
         if len(blocks) * bs < len(tokens):

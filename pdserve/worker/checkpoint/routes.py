@@ -14,7 +14,6 @@ It knows HTTP and the three parts; what they do is theirs.
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
@@ -47,7 +46,7 @@ from pdserve.worker.checkpoint.stream import CheckpointStreams, Replica
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.engine_loop import EngineInfo, EngineLoop
 from pdserve.worker.kv.inbox import KVInbox
-from pdserve.worker.kv.outbox import parse_destination
+from pdserve.worker.kv.outbox import peer_destination
 
 
 def _json(body: BaseModel) -> web.Response:
@@ -201,14 +200,7 @@ class CheckpointService:
 
     async def send(self, request: web.Request) -> web.Response:
         body = CheckpointSend.model_validate_json(await request.read())
-        # Invariant 10: KV goes only where the cluster signed for it.
-        destination = parse_destination(
-            body.reservation,
-            key=self._config.reservation_key,
-            now_s=time.time(),
-            local=self._local,
-            explicit=False,
-        )
+        destination = peer_destination(body.reservation, self._config.reservation_key, self._local)
         return _json(await self.store.send(body, destination))
 
     # ---- metrics -------------------------------------------------------------------------

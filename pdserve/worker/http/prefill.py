@@ -26,7 +26,7 @@ from pdserve.worker.config import WorkerConfig
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.http.bodies import json_body, parse_body
 from pdserve.worker.kv import canary as kv_canary
-from pdserve.worker.kv.outbox import Destination, KVOutbox, parse_destination
+from pdserve.worker.kv.outbox import Destination, HeldSend, KVOutbox, parse_destination
 
 T = TypeVar("T")
 
@@ -120,13 +120,15 @@ class Prefills:
                     asyncio.wrap_future(digest) if want_digest else b""
                 )
                 outbox.start(
-                    rid,
-                    body.prompt_token_ids,
-                    views,
-                    block_ids,
-                    destination,
-                    body.lease_ttl_s,
-                    value_digest,
+                    HeldSend(
+                        rid,
+                        body.prompt_token_ids,
+                        views,
+                        block_ids,
+                        destination,
+                        body.lease_ttl_s,
+                        value_digest,
+                    )
                 )
                 handed_over = True
         finally:

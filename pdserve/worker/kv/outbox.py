@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -98,6 +99,14 @@ def parse_destination(
     return destination_of(signed.reservation, signed.decode_url, local=local, explicit=explicit)
 
 
+def peer_destination(
+    signed: SignedReservation, key: bytes | None, local: Sequence[Transport]
+) -> Destination:
+    """Where a checkpoint or a prefix cache's blocks go: only where the cluster signed for
+    (invariant 10), over the best transport both sides have (never a forced one)."""
+    return parse_destination(signed, key=key, now_s=time.time(), local=local, explicit=False)
+
+
 def destination_of(
     reservation: Reservation,
     decode_url: str | None,
@@ -132,6 +141,22 @@ def destination_of(
         choice.reason,
         choice.detail,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class HeldSend:
+    """A finished prefill's held KV and where it goes: what `KVOutbox.start` takes."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    # Views of the request's KV blocks in the engine's cache, all of them (the outbox skips
+    # what the destination holds already), and their ids.
+    blocks: list[memoryview]
+    block_ids: list[int]
+    destination: Destination
+    lease_ttl_s: float
+    # The value canary's digest, or a future of it while its forward runs; b"": none.
+    value_digest: bytes | asyncio.Future[bytes] = b""
 
 
 class KVOutbox:
@@ -176,23 +201,15 @@ class KVOutbox:
         (no-op when one is idle or opening already)."""
         self.pool.warm(destination.transport, destination.address)
 
-    def start(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        blocks: list[memoryview],
-        block_ids: list[int],
-        destination: Destination,
-        lease_ttl_s: float,
-        value_digest: bytes | asyncio.Future[bytes] = b"",
-    ) -> None:
+    def start(self, send: HeldSend) -> None:
         """Start sending the request's held KV; the engine's KV is released when it ends.
 
-        `value_digest` may still be computing (the canary's forward on the engine thread): the
-        send awaits it before it touches the KV or sends a byte."""
+        `send.value_digest` may still be computing (the canary's forward on the engine
+        thread): the send awaits it before it touches the KV or sends a byte."""
         info = self._info
+        request_id, destination = send.request_id, send.destination
         skip = destination.num_cached_tokens // info.block_size
-        end = info.num_prompt_blocks(len(prompt_token_ids))
+        end = info.num_prompt_blocks(len(send.prompt_token_ids))
         if destination.downgraded_from is not None:
             self.stats.downgraded(
                 destination.downgraded_from,
@@ -206,17 +223,11 @@ class KVOutbox:
                 destination.downgraded_from,
                 destination.downgrade_detail,
             )
-        task = asyncio.get_running_loop().create_task(
-            self._send(
-                request_id,
-                prompt_token_ids,
-                blocks[skip:end],
-                block_ids[skip:end],
-                destination,
-                lease_ttl_s,
-                value_digest,
-            )
+        # Only the blocks the decode side does not hold already travel.
+        trimmed = dataclasses.replace(
+            send, blocks=send.blocks[skip:end], block_ids=send.block_ids[skip:end]
         )
+        task = asyncio.get_running_loop().create_task(self._send(trimmed))
         self._tasks[request_id] = task
         task.add_done_callback(lambda _: self._tasks.pop(request_id, None))
 
@@ -259,16 +270,10 @@ class KVOutbox:
                 return
             offset -= view.nbytes
 
-    async def _send(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        blocks: list[memoryview],
-        block_ids: list[int],
-        destination: Destination,
-        lease_ttl_s: float,
-        value_digest: bytes | asyncio.Future[bytes],
-    ) -> None:
+    async def _send(self, send: HeldSend) -> None:
+        request_id, prompt_token_ids, blocks = send.request_id, send.prompt_token_ids, send.blocks
+        block_ids, destination, lease_ttl_s = send.block_ids, send.destination, send.lease_ttl_s
+        value_digest = send.value_digest
         lease: LeaseHandle | None = None
         try:
             # The digest is of the KV as the prefill left it: awaited before anything else.

@@ -9,6 +9,7 @@ fallback and the argument checks run in this process and need no Triton.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -23,11 +24,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.model.attention import build_metadata, paged_attention
-from pdserve.model.triton_attention import (
-    paged_decode_attention,
-    paged_decode_reference,
-    triton_available,
-)
+from pdserve.model.triton_attention import paged_decode_attention, triton_available
+
+# The plain-PyTorch reference, the contract the kernel is checked against.
+reference = functools.partial(paged_decode_attention, impl="reference")
 
 
 @dataclass(slots=True)
@@ -139,7 +139,7 @@ def kernel_matches_reference(
         context_lens, num_kv_heads * group, num_kv_heads, head_dim, block_size,
         q_dtype, kv_dtype, num_layers=3, layer=layer, seed=seed,
     )  # fmt: skip
-    assert_close(run(paged_decode_attention, p), run(paged_decode_reference, p), p)
+    assert_close(run(paged_decode_attention, p), run(reference, p), p)
 
 
 @case
@@ -161,14 +161,14 @@ def padding_rows_write_zeros_into_out() -> None:
     assert run(paged_decode_attention, p, out=out) is out
     assert not out.isnan().any()
     assert torch.equal(out[[0, 2]], torch.zeros_like(out[[0, 2]]))
-    assert_close(out, run(paged_decode_reference, p), p)
+    assert_close(out, run(reference, p), p)
 
 
 @case
 def strided_views_read_in_place() -> None:
     # Every argument a non-contiguous view: the kernel must use their strides.
     p = make_problem([7, 0, 21], 4, 2, 16, 4, num_layers=3, layer=2)
-    expected = run(paged_decode_reference, p)
+    expected = run(reference, p)
     wide_q = torch.zeros(3, 4, 32)
     wide_q[:, :, ::2] = p.q
     wide_kv = torch.zeros(*p.kv_cache.shape[:-1], 48)
@@ -230,13 +230,13 @@ def test_reference_matches_pdserve_attention(
     context_lens: list[int], group: int, block_size: int, seed: int
 ) -> None:
     p = make_problem(context_lens, 2 * group, 2, 16, block_size, seed=seed)
-    assert_close(run(paged_decode_reference, p), pdserve_decode(p), p)
+    assert_close(run(reference, p), pdserve_decode(p), p)
 
 
 def test_cpu_tensors_fall_back_to_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     p = make_problem([3, 0, 12], 4, 2, 16, 4, q_dtype=torch.bfloat16)
-    assert torch.equal(run(paged_decode_attention, p), run(paged_decode_reference, p))
+    assert torch.equal(run(paged_decode_attention, p), run(reference, p))
 
 
 def test_module_imports_without_triton() -> None:
@@ -276,7 +276,7 @@ def _bad(**changes: object) -> dict[str, object]:
     ],
 )
 def test_bad_arguments_name_themselves(name: str, args: dict[str, object]) -> None:
-    for fn in (paged_decode_attention, paged_decode_reference):
+    for fn in (paged_decode_attention, reference):
         with pytest.raises(ValueError, match=name):
             fn(**args)
 

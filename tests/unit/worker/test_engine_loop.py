@@ -248,7 +248,9 @@ def test_a_waiter_cancelled_while_its_command_runs_leaks_nothing(
         await loop.start()
         try:
             if command == "add":
-                waiter = asyncio.ensure_future(loop.add("r", list(range(3, 40)), long, True))
+                waiter = asyncio.ensure_future(
+                    loop.add("r", list(range(3, 40)), long, hold_kv=True)
+                )
             else:
                 waiter = asyncio.ensure_future(loop.add_remote("r", list(range(3, 40)), long))
             assert await asyncio.to_thread(in_add.wait, 10)
