@@ -41,10 +41,12 @@ import numpy as np
 
 from pdserve.errors import BadMagic, PeerClosed, ProtocolError, TransferError, UnsupportedVersion
 from pdserve.transfer.slot_stream import Announce, SlotStream
-from pdserve.transfer.stream import Address, ByteStream, StreamHandler
-from pdserve.transfer.tcp import TcpServer, open_tcp_stream, serve_tcp
+from pdserve.transfer.stream import ByteStream
+from pdserve.transfer.tcp import Upgraded
 
 _HELLO = struct.Struct("<4sHHIQQI")  # magic, version, 0, num_slots, slot_bytes, address, md len
+# A NIXL agent's metadata is a few KiB; more is refused before it is read.
+MAX_METADATA_BYTES = 1 << 20
 _MAGIC = b"PDNX"
 _VERSION = 1
 _ATTACHED = b"A"
@@ -311,6 +313,12 @@ async def connect_nixl(control: ByteStream, config: NixlConfig | None = None) ->
             raise BadMagic(f"nixl handshake: magic {magic!r}, expected {_MAGIC!r}")
         if version != _VERSION:
             raise UnsupportedVersion(f"nixl handshake: version {version}, this build speaks 1")
+        if md_len > MAX_METADATA_BYTES:
+            # Checked before anything is allocated or read: the handshake runs before any
+            # cluster MAC, and the length field alone could ask for 4 GiB.
+            raise ProtocolError(
+                f"nixl handshake: agent metadata of {md_len} bytes, at most {MAX_METADATA_BYTES}"
+            )
         peer_metadata = bytearray(md_len)
         await control.receive_into(memoryview(peer_metadata))
         try:
@@ -347,34 +355,7 @@ async def connect_nixl(control: ByteStream, config: NixlConfig | None = None) ->
     )
 
 
-async def open_nixl_stream(address: Address, config: NixlConfig | None = None) -> SlotStream:
-    """Connect the control stream to a `serve_nixl` server and set up the NIXL agents."""
-    control = await open_tcp_stream(address)
-    try:
-        return await connect_nixl(control, config)
-    except BaseException:
-        await control.aclose()
-        raise
-
-
-async def serve_nixl(
-    handler: StreamHandler,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    config: NixlConfig | None = None,
-    *,
-    handshake_timeout_s: float | None = None,
-    max_connections: int | None = None,
-) -> TcpServer:
-    """Serve NIXL streams: each accepted control connection is upgraded, then handled."""
-
-    async def upgrade(control: ByteStream) -> None:
-        # A peer that never finishes the handshake must not hold an inbox for long.
-        async with asyncio.timeout(handshake_timeout_s):
-            stream = await connect_nixl(control, config)
-        try:
-            await handler(stream)
-        finally:
-            await stream.aclose()
-
-    return await serve_tcp(upgrade, host, port, max_connections=max_connections)
+# Over a TCP control stream that `connect_nixl` sets the transport up on.
+_NIXL = Upgraded(connect_nixl)
+open_nixl_stream = _NIXL.open
+serve_nixl = _NIXL.serve

@@ -24,7 +24,6 @@ This module knows segments, slots and the handshake, not the KV codec or session
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import mmap
@@ -38,8 +37,8 @@ from dataclasses import dataclass
 from pdserve.errors import BadMagic, ProtocolError, UnsupportedVersion
 from pdserve.transfer import arena
 from pdserve.transfer.slot_stream import Announce, SlotStream
-from pdserve.transfer.stream import Address, ByteStream, StreamHandler
-from pdserve.transfer.tcp import TcpServer, open_tcp_stream, serve_tcp
+from pdserve.transfer.stream import ByteStream
+from pdserve.transfer.tcp import Upgraded
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +48,8 @@ _NAME_RE = re.compile(r"pdserve-shm-[0-9]+-[0-9a-f]{16}")
 _HELLO = struct.Struct("<4sHHIQH")  # magic, version, reserved, num_slots, slot_bytes, name length
 _MAGIC = b"PDSM"
 _VERSION = 2
+# Segment names are short ("pdserve-kv-..."); a longer one is refused unread.
+_MAX_NAME_BYTES = 255
 _ARENA_COUNT = struct.Struct("<H")
 _ARENA = struct.Struct("<IIQ")  # pid, fd, num_bytes
 # Arenas one side may announce (a process exports one per engine).
@@ -156,6 +157,11 @@ async def connect_shm(control: ByteStream, config: ShmConfig | None = None) -> S
             raise UnsupportedVersion(
                 f"shm handshake: version {version}, this build speaks {_VERSION}"
             )
+        if name_len > _MAX_NAME_BYTES:
+            # Checked before reading: the handshake runs before any cluster MAC.
+            raise ProtocolError(
+                f"shm handshake: segment name of {name_len} bytes, at most {_MAX_NAME_BYTES}"
+            )
         peer_name = bytearray(name_len)
         await control.receive_into(memoryview(peer_name))
         if not _NAME_RE.fullmatch(peer_name.decode(errors="replace")):
@@ -241,37 +247,10 @@ def _info(a: arena.Arena) -> tuple[int, int, int]:
     return info.pid, info.fd, info.num_bytes
 
 
-async def open_shm_stream(address: Address, config: ShmConfig | None = None) -> SlotStream:
-    """Connect the control stream to a `serve_shm` server and set up the shared memory."""
-    control = await open_tcp_stream(address)
-    try:
-        return await connect_shm(control, config)
-    except BaseException:
-        await control.aclose()
-        raise
-
-
-async def serve_shm(
-    handler: StreamHandler,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    config: ShmConfig | None = None,
-    *,
-    handshake_timeout_s: float | None = None,
-    max_connections: int | None = None,
-) -> TcpServer:
-    """Serve shm streams: each accepted control connection is upgraded, then handled."""
-
-    async def upgrade(control: ByteStream) -> None:
-        # A peer that never finishes the handshake must not hold an inbox for long.
-        async with asyncio.timeout(handshake_timeout_s):
-            stream = await connect_shm(control, config)
-        try:
-            await handler(stream)
-        finally:
-            await stream.aclose()
-
-    return await serve_tcp(upgrade, host, port, max_connections=max_connections)
+# Over a TCP control stream that `connect_shm` sets the transport up on.
+_SHM = Upgraded(connect_shm)
+open_shm_stream = _SHM.open
+serve_shm = _SHM.serve
 
 
 def leaked_segments() -> list[str]:

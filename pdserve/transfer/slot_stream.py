@@ -61,6 +61,7 @@ from pdserve.transfer.stream import (
     DirectionState,
     byte_views,
     check_max_bytes,
+    close_both,
     writable_view,
 )
 
@@ -266,22 +267,17 @@ class SlotStream(ByteStream):
         target = writable_view(view)
         async with self._receive_lock:
             self._receive_state.check()
-            num_received = 0
-            try:
-                while num_received < target.nbytes:
-                    if not await self._wait_data():
-                        raise PeerClosed(
-                            f"{self._name}: stream ended after {num_received} of "
-                            f"{target.nbytes} bytes"
-                        )
-                    n, drained = self._copy_out(target[num_received:])
-                    num_received += n
-                    if drained is not None and drained != _NO_CREDIT:
-                        await self._return_credit(drained)
-            except asyncio.CancelledError:
-                if num_received:
-                    self._receive_state.break_(f"receive cancelled after {num_received} bytes")
-                raise
+            await self._receive_state.fill(target, self._read_into, self._name)
+
+    async def _read_into(self, piece: memoryview) -> int:
+        """Bytes of the current slot copied into `piece` (0: end of stream), its credit
+        returned once the slot is drained."""
+        if not await self._wait_data():
+            return 0
+        n, drained = self._copy_out(piece)
+        if drained is not None and drained != _NO_CREDIT:
+            await self._return_credit(drained)
+        return n
 
     async def receive_some(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
         """Up to `max_bytes` from the current slot; b"" at end of stream."""
@@ -293,9 +289,7 @@ class SlotStream(ByteStream):
             assert self._current is not None
             current = self._current
             out = bytearray(min(max_bytes, current.source.nbytes - current.offset))
-            _, drained = self._copy_out(memoryview(out))
-            if drained is not None and drained != _NO_CREDIT:
-                await self._return_credit(drained)
+            await self._read_into(memoryview(out))
             return bytes(out)
 
     async def aclose(self) -> None:
@@ -303,8 +297,7 @@ class SlotStream(ByteStream):
         if self._closed:
             return
         self._closed = True
-        self._send_state.break_("closed locally")
-        self._receive_state.break_("closed locally")
+        close_both(self._send_state, self._receive_state)
         self._credit.set()
         self._data.set()
         await cancel_and_wait(self._reader)

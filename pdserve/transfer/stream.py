@@ -24,10 +24,11 @@ Rules every implementation keeps (the conformance suite checks each one):
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
-from pdserve.errors import StreamBroken
+from pdserve.errors import PeerClosed, StreamBroken
 
 Buffer = bytes | bytearray | memoryview
 """What `send` accepts: anything exporting a C-contiguous buffer, given as bytes or a view."""
@@ -137,3 +138,30 @@ class DirectionState:
         """Mark the direction unusable; the first reason is kept."""
         if self.reason is None:
             self.reason = reason
+
+    async def fill(
+        self, target: memoryview, read: Callable[[memoryview], Awaitable[int]], who: str
+    ) -> None:
+        """`receive_into`'s loop: fill `target` with what `read` puts into its rest (0: the
+        stream ended, `PeerClosed` naming `who`); cancelled after some bytes, this direction
+        breaks (the caller cannot know where the byte sequence stands)."""
+        num_received = 0
+        try:
+            while num_received < target.nbytes:
+                n = await read(target[num_received:])
+                if n == 0:
+                    raise PeerClosed(
+                        f"{who}: stream ended after {num_received} of {target.nbytes} bytes"
+                    )
+                num_received += n
+        except asyncio.CancelledError:
+            if num_received:
+                self.break_(f"receive cancelled after {num_received} bytes")
+            raise
+
+
+def close_both(send: DirectionState, receive: DirectionState) -> None:
+    """Break both directions of a stream closed locally: every later call raises
+    `StreamBroken` saying so."""
+    send.break_("closed locally")
+    receive.break_("closed locally")

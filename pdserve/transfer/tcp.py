@@ -18,8 +18,9 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from pdserve.errors import PeerClosed, StreamBroken, TransferError
 from pdserve.tasks import cancel_and_wait
@@ -32,6 +33,7 @@ from pdserve.transfer.stream import (
     StreamHandler,
     byte_views,
     check_max_bytes,
+    close_both,
     writable_view,
 )
 
@@ -113,20 +115,7 @@ class TcpStream(ByteStream):
         target = writable_view(view)
         async with self._receive_lock:
             self._receive_state.check()
-            num_received = 0
-            try:
-                while num_received < target.nbytes:
-                    n = await self._recv_into(target[num_received:])
-                    if n == 0:
-                        raise PeerClosed(
-                            f"tcp {self._peer}: stream ended after {num_received} of "
-                            f"{target.nbytes} bytes"
-                        )
-                    num_received += n
-            except asyncio.CancelledError:
-                if num_received:
-                    self._receive_state.break_(f"receive cancelled after {num_received} bytes")
-                raise
+            await self._receive_state.fill(target, self._recv_into, f"tcp {self._peer}")
 
     async def receive_some(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
         """One recv of up to `max_bytes`; b"" at EOF. Cancelling it consumes nothing."""
@@ -159,8 +148,7 @@ class TcpStream(ByteStream):
         if self._closed:
             return
         self._closed = True
-        self._send_state.break_("closed locally")
-        self._receive_state.break_("closed locally")
+        close_both(self._send_state, self._receive_state)
         loop = asyncio.get_running_loop()
         # Unregister before close so a reused fd number is never touched by a late waiter.
         loop.remove_reader(self._fd)
@@ -308,3 +296,49 @@ async def serve_tcp(
         sock.close()
         raise
     return TcpServer(sock, handler, config, max_connections)
+
+
+S = TypeVar("S", bound=ByteStream)
+C = TypeVar("C")
+
+
+class Upgraded(Generic[C, S]):
+    """A transport set up over a TCP control stream (shared memory, NIXL): `connect` runs its
+    handshake on an opened or accepted control stream and returns the transport's stream."""
+
+    def __init__(self, connect: Callable[[ByteStream, C | None], Awaitable[S]]) -> None:
+        self._connect = connect
+
+    async def open(self, address: Address, config: C | None = None) -> S:
+        """Connect a control stream to a server of this transport and set the transport up;
+        the control stream is closed when that fails."""
+        control = await open_tcp_stream(address)
+        try:
+            return await self._connect(control, config)
+        except BaseException:
+            await control.aclose()
+            raise
+
+    async def serve(
+        self,
+        handler: StreamHandler,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        config: C | None = None,
+        *,
+        handshake_timeout_s: float | None = None,
+        max_connections: int | None = None,
+    ) -> TcpServer:
+        """Serve this transport: each accepted control connection is set up (within
+        `handshake_timeout_s`: a peer that never finishes must not hold an inbox for long),
+        then handled and closed."""
+
+        async def serve_one(control: ByteStream) -> None:
+            async with asyncio.timeout(handshake_timeout_s):
+                stream = await self._connect(control, config)
+            try:
+                await handler(stream)
+            finally:
+                await stream.aclose()
+
+        return await serve_tcp(serve_one, host, port, max_connections=max_connections)

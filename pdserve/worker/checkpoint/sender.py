@@ -15,14 +15,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdserve.clock import Clock, MonotonicClock
-from pdserve.transfer.messages import token_digest
-from pdserve.transfer.sender import OutgoingTransfer, SendPolicy, send_with_retries
-from pdserve.transfer.sender_session import SenderSession
+from pdserve.transfer.sender import SendPolicy, send_with_retries
 from pdserve.transfer.stream import ByteStream
 from pdserve.worker.engine_loop import EngineInfo
 from pdserve.worker.kv import transports as kv_transports
 from pdserve.worker.kv.connections import Connect, ConnectionPool
-from pdserve.worker.kv.outbox import Destination, layout_of
+from pdserve.worker.kv.outbox import Destination, outgoing
 
 
 def put_request_id(owner: str, first_version: int) -> str:
@@ -60,21 +58,9 @@ class BlockSender:
     ) -> int:
         """Send `blocks` (the KV of `token_ids`' blocks) until acknowledged; returns bytes.
         Raises the transfer's typed error when it cannot be delivered in `timeout_s`."""
-        info = self._info
-        layout = layout_of(info, len(blocks))
-        transfer = OutgoingTransfer(
-            destination.transfer_id,
-            request_id,
-            1,
-            layout,
-            len(token_ids),
-            token_digest(token_ids),
-            destination.capability_token,
-            blocks,
-            epoch=destination.epoch,
-            value_digest=value_digest,
+        transfer, session = outgoing(
+            self._info, destination, request_id, token_ids, blocks, value_digest, self._key
         )
-        session = SenderSession(destination.transfer_id, info.fingerprint, cluster_key=self._key)
         pool, transport, address = self.pool, destination.transport, destination.address
 
         async def connect() -> ByteStream:
@@ -92,7 +78,7 @@ class BlockSender:
             clock=self._clock,
             release=release,
         )
-        num_bytes = layout.payload_bytes
+        num_bytes = transfer.layout.payload_bytes
         self.num_sent += 1
         self.num_bytes_sent += num_bytes
         return num_bytes

@@ -85,6 +85,33 @@ def layout_of(info: EngineInfo, num_blocks: int) -> KVLayout:
     return KVLayout(info.num_layers, num_blocks, info.block_bytes, info.dtype, info.block_size)
 
 
+def outgoing(
+    info: EngineInfo,
+    destination: Destination,
+    request_id: str,
+    token_ids: Sequence[int],
+    blocks: Sequence[memoryview],
+    value_digest: bytes,
+    cluster_key: bytes | None,
+) -> tuple[OutgoingTransfer, SenderSession]:
+    """One send of `blocks` (the KV of `token_ids`' blocks) to `destination`: the transfer and
+    its sender session (a handoff's and a checkpoint put's alike)."""
+    transfer = OutgoingTransfer(
+        destination.transfer_id,
+        request_id,
+        1,
+        layout_of(info, len(blocks)),
+        len(token_ids),
+        token_digest(token_ids),
+        destination.capability_token,
+        blocks,
+        epoch=destination.epoch,
+        value_digest=value_digest,
+    )
+    session = SenderSession(destination.transfer_id, info.fingerprint, cluster_key=cluster_key)
+    return transfer, session
+
+
 def parse_destination(
     signed: SignedReservation,
     *,
@@ -288,22 +315,8 @@ class KVOutbox:
                 total = sum(v.nbytes for v in blocks)
                 if (rule := faults.fire(FaultSite.TRANSFER_SOURCE_KV, total)) is not None:
                     self._damage_source(rule, blocks)
-            info = self._info
-            layout = layout_of(info, len(blocks))
-            transfer = OutgoingTransfer(
-                destination.transfer_id,
-                request_id,
-                1,
-                layout,
-                len(prompt_token_ids),
-                token_digest(prompt_token_ids),
-                destination.capability_token,
-                blocks,
-                epoch=destination.epoch,
-                value_digest=digest,
-            )
-            session = SenderSession(
-                destination.transfer_id, info.fingerprint, cluster_key=self._key
+            transfer, session = outgoing(
+                self._info, destination, request_id, prompt_token_ids, blocks, digest, self._key
             )
             pool = self.pool
             transport, address = destination.transport, destination.address
