@@ -2,11 +2,11 @@
 
 The file holds the same settings as the command line, keyed by flag name without the dashes
 (`max-num-seqs` or `max_num_seqs`). Each value is checked against the flag it names, with the
-flag's own type and choices, before anything starts: an unknown key, a value of the wrong
-type or outside the choices is a `ConfigError` naming the file and the key. The file becomes
-flags placed before the real command line, so a flag given on the command line overrides the
-file (repeatable flags such as `--worker` add to the file's list). Booleans: `true` gives the
-flag (or `--X` of a `--X/--no-X` pair), `false` leaves a plain flag off or gives `--no-X`.
+flag's own type and choices, before anything starts: an unknown key (with the closest flag,
+if one is close), a value of the wrong type or outside the choices is a `ConfigError` naming
+the file and the key. The values become the parser's defaults (`settings.parse_args`), so the
+environment and the command line override them (repeatable flags such as `--worker` add to
+the file's list). Booleans: `true` or `false`, for `--X/--no-X` pairs and plain flags alike.
 
 YAML needs PyYAML (a dependency of pdserve); a `.json` file is read with the standard library.
 """
@@ -14,6 +14,7 @@ YAML needs PyYAML (a dependency of pdserve); a `.json` file is read with the sta
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -56,44 +57,45 @@ def _actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     return by_flag
 
 
-def to_argv(data: dict[str, Any], parser: argparse.ArgumentParser, source: str) -> list[str]:
-    """The flags `data` stands for; ConfigError naming `source` and the bad key."""
+def file_defaults(parser: argparse.ArgumentParser, path: Path) -> dict[str, Any]:
+    """The values of the file at `path`, by the parser's destination; ConfigError naming the
+    file and the bad key."""
     actions = _actions(parser)
-    argv: list[str] = []
-    for raw_key, value in data.items():
+    source = str(path)
+    values: dict[str, Any] = {}
+    for raw_key, value in load_mapping(path).items():
         key = str(raw_key).replace("_", "-")
         action = actions.get(key)
         if action is None or key in ("config", "help", "ready-file"):
-            raise ConfigError(f"config {source}: unknown key {raw_key!r}")
+            close = difflib.get_close_matches(key, [k for k in actions if not k.startswith("no-")])
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"config {source}: unknown key {raw_key!r}{hint}")
         if isinstance(action, argparse.BooleanOptionalAction) and key.startswith("no-"):
             raise ConfigError(f"config {source}: key {raw_key!r}: write {key[3:]}: false instead")
-        argv += _flag_argv(key, action, value, f"config {source}: key {raw_key!r}")
-    return argv
+        values[action.dest] = _value(action, value, f"config {source}: key {raw_key!r}")
+    return values
 
 
-def _flag_argv(key: str, action: argparse.Action, value: Any, where: str) -> list[str]:
-    flag = f"--{key}"
-    if isinstance(action, argparse.BooleanOptionalAction):
+def _value(action: argparse.Action, value: Any, where: str) -> Any:
+    if isinstance(action, argparse.BooleanOptionalAction) or action.nargs == 0:
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: expected true or false, got {value!r}")
-        return [flag] if value else [f"--no-{key}"]
-    if action.nargs == 0:  # store_true / store_const
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false, got {value!r}")
-        return [flag] if value else []
+        if isinstance(action, argparse.BooleanOptionalAction):
+            return value
+        return action.const if value else action.default  # store_true / store_const
     repeat = isinstance(action, argparse._AppendAction) or action.nargs in ("+", "*")
     values = value if isinstance(value, list) else [value]
     if not repeat and isinstance(value, list):
         raise ConfigError(f"{where}: expected one value, got a list")
     if not values and action.nargs == "+":
         raise ConfigError(f"{where}: expected at least one value")
-    texts = [_checked(action, v, where) for v in values]
-    if isinstance(action, argparse._AppendAction):
-        return [part for text in texts for part in (flag, text)]
-    return [flag, *texts]
+    checked = [checked_value(action, v, where) for v in values]
+    return checked if repeat else checked[0]
 
 
-def _checked(action: argparse.Action, value: Any, where: str) -> str:
+def checked_value(action: argparse.Action, value: Any, where: str) -> Any:
+    """`value` converted by the option's type and checked against its choices, as argparse
+    would on the command line; ConfigError naming `where` otherwise."""
     if isinstance(value, (dict, list)) or value is None:
         raise ConfigError(f"{where}: expected a single value, got {value!r}")
     if isinstance(value, bool):
@@ -107,7 +109,7 @@ def _checked(action: argparse.Action, value: Any, where: str) -> str:
     if action.choices is not None and converted not in action.choices:
         choices = ", ".join(str(c) for c in action.choices)
         raise ConfigError(f"{where}: {value!r} is not one of {choices}")
-    return text
+    return converted
 
 
 def add_config_flag(parser: argparse.ArgumentParser) -> None:
@@ -121,8 +123,8 @@ def add_config_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def expand(argv: Sequence[str], parser: argparse.ArgumentParser) -> list[str]:
-    """`argv` with the `--config FILE` it names turned into flags placed first."""
+def split_config_flag(argv: Sequence[str]) -> tuple[list[str], str | None]:
+    """`argv` without its `--config FILE`, and the file named (None: none)."""
     argv = list(argv)
     paths: list[str] = []
     rest: list[str] = []
@@ -140,7 +142,4 @@ def expand(argv: Sequence[str], parser: argparse.ArgumentParser) -> list[str]:
         i += 1
     if len(paths) > 1:
         raise ConfigError(f"config: give {FLAG} once, got {len(paths)}")
-    if not paths:
-        return rest
-    path = Path(paths[0])
-    return to_argv(load_mapping(path), parser, str(path)) + rest
+    return rest, paths[0] if paths else None

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 from pdserve.config import DEVICES, DTYPES
 from pdserve.errors import PdserveError
+from pdserve.settings import parse_args
 
 
 def _int_in(text: str, low: int, high: int | None, what: str) -> int:
@@ -84,13 +85,14 @@ def run(
     *,
     stop_on_sigterm: bool = False,
 ) -> int:
-    """Parse `argv` with `parser` and run `execute`; a typed error exits 2 naming it.
+    """Parse `argv` with `parser` (over the environment's `PDSERVE_<FLAG>` values and a
+    `--config` file where the command takes one) and run `execute`; a typed error exits 2.
 
     `stop_on_sigterm`: for commands that start local clusters, a SIGTERM raises SystemExit so
     their `finally` blocks stop the children by PID instead of leaving them behind.
     """
     try:
-        args = parser.parse_args(list(argv))
+        args = parse_args(parser, argv)
     except PdserveError as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2

@@ -8,7 +8,6 @@ file) configures the whole cluster.
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable, Sequence
 
 from pdserve.cli.command import (
@@ -20,14 +19,13 @@ from pdserve.cli.command import (
     run,
 )
 from pdserve.config import DTYPES
-from pdserve.config_file import add_config_flag, expand
-from pdserve.errors import PdserveError
+from pdserve.config_file import add_config_flag
 from pdserve.flags import add_engine_flags
 from pdserve.router.flags import add_policy_flags
 
 
 def _added(
-    parser: argparse.ArgumentParser, add: Callable[..., None], **kwargs: bool
+    parser: argparse.ArgumentParser, add: Callable[..., None], **kwargs: object
 ) -> list[argparse.Action]:
     """The actions `add(parser, **kwargs)` declares (to pass their values on later)."""
     before = len(parser._actions)
@@ -88,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--api-key", default=None)
     add_config_flag(u)
     u.set_defaults(router_flags=_added(u, add_policy_flags, max_model_len=False))
-    u.set_defaults(worker_flags=_added(u, add_engine_flags))
+    u.set_defaults(worker_flags=_added(u, add_engine_flags, skip=("block_size",)))
     u.add_argument("--routers", type=positive_int, default=1, help="routers (one port each)")
     membership = u.add_mutually_exclusive_group()
     membership.add_argument(
@@ -144,10 +142,4 @@ def _up(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str]) -> int:
     """Run the command; returns the exit status."""
-    parser = build_parser()
-    try:
-        argv = expand(argv, parser)
-    except PdserveError as exc:
-        print(f"pdserve: error: {exc}", file=sys.stderr)
-        return 2
-    return run("up", parser, _up, argv)
+    return run("up", build_parser(), _up, argv)

@@ -14,6 +14,7 @@ from pdserve.protocol.checkpoint_policy import CheckpointPolicy
 from pdserve.protocol.worker_api import MAX_LEASE_TTL_S, MAX_WAIT_S
 from pdserve.router.mode.auto_mode import AutoConfig
 from pdserve.router.mode.interference import SLOConfig
+from pdserve.settings import flag
 
 # The path a request takes; fixed when it begins.
 Mode = Literal["disagg", "colocated"]
@@ -50,14 +51,17 @@ RECOVERY_STEPS = ("retry_transfer", "reprefill", "local_prefill")
 class BreakerConfig:
     """The KV-path circuit breaker: when it trips, new requests run colocated."""
 
-    enabled: bool = True
+    enabled: bool = field(
+        default=True,
+        metadata=flag(name="no-breaker", turns_off=True, help="never switch mode automatically"),
+    )
     # Outcomes (KV handoffs) remembered, and the least needed before the breaker may trip.
-    window: int = 20
-    min_samples: int = 5
+    window: int = field(default=20, metadata=flag())
+    min_samples: int = field(default=5, metadata=flag())
     # Trip when failures / outcomes in the window reach this.
-    failure_rate: float = 0.5
+    failure_rate: float = field(default=0.5, metadata=flag())
     # Seconds open before one disaggregated probe request is let through (half-open).
-    cooldown_s: float = 10.0
+    cooldown_s: float = field(default=10.0, metadata=flag())
 
     def __post_init__(self) -> None:
         if self.window < 1 or not 1 <= self.min_samples <= self.window:
@@ -75,21 +79,42 @@ class BreakerConfig:
 class RecoveryConfig:
     """What the router does when a handoff fails, in order, each step budgeted."""
 
-    steps: tuple[str, ...] = RECOVERY_STEPS
+    steps: tuple[str, ...] = field(
+        default=RECOVERY_STEPS,
+        metadata=flag(
+            name="recovery",
+            type=str,
+            to_field=lambda text: parse_recovery(text),
+            to_flag=",".join,
+            help=f"ordered steps from {','.join(RECOVERY_STEPS)}, or 'none'",
+        ),
+    )
     # Sends per transfer (first try included) when retry_transfer is on; 1 otherwise.
-    transfer_attempts: int = 4
+    transfer_attempts: int = field(default=4, metadata=flag())
     # Extra prefills on other prefill workers (reprefill).
-    max_reprefills: int = 1
+    max_reprefills: int = field(default=1, metadata=flag())
     # Other decode workers a stream may move to after the decode side died mid-stream.
-    max_migrations: int = 2
+    max_migrations: int = field(default=2, metadata=flag())
     # When every decode worker refuses a reservation: wait up to this long for one (0: 503
     # at once), with at most `max_queued` requests waiting at a time.
-    queue_timeout_s: float = 5.0
-    max_queued: int = 64
+    queue_timeout_s: float = field(default=5.0, metadata=flag())
+    max_queued: int = field(default=64, metadata=flag())
     # Decode checkpoints (`pdserve/protocol/checkpoint_policy.py`): off, prompt or every-N; a holder
     # drops a request's copy this long after its writer stopped renewing.
-    checkpoint: str = "off"
-    checkpoint_lease_ttl_s: float = 10.0
+    checkpoint: str = field(
+        default="off",
+        metadata=flag(
+            help="decode checkpoints: off, prompt or every-N (replicate a decoding request's KV"
+            " every N filled blocks to another decode worker, so a migration resumes from it)"
+        ),
+    )
+    checkpoint_lease_ttl_s: float = field(
+        default=10.0,
+        metadata=flag(
+            help="a holder drops a request's checkpoint this long after its decode worker stops"
+            " renewing"
+        ),
+    )
 
     def __post_init__(self) -> None:
         CheckpointPolicy.parse(self.checkpoint)
@@ -133,18 +158,27 @@ class AffinityConfig:
 
     # "affinity": cost above plus sticky sessions; "load": least loaded only (prefix ignored);
     # "round_robin": rotate over candidates (a baseline for benchmarks).
-    routing: Routing = "affinity"
+    routing: Routing = field(default="affinity", metadata=flag(choices=ROUTINGS))
     # Cost of one prompt block the worker does not hold in its prefix cache.
-    prefix_weight: float = 1.0
+    prefix_weight: float = field(
+        default=1.0, metadata=flag(help="cost of one prompt block the worker does not hold")
+    )
     # Cost of one request already on the worker (running + waiting + router in-flight): by
     # default one more concurrent request weighs as much as 4 uncached blocks.
-    load_weight: float = 4.0
+    load_weight: float = field(
+        default=4.0, metadata=flag(help="cost of one request already on the worker")
+    )
     # A conversation whose decode worker already holds all but at most this many prompt
     # tokens is continued there with a local prefill of the suffix: no prefill worker, no KV
     # transfer (the idea of vLLM's kv_recompute_threshold). 0 turns it off.
-    local_prefill_threshold: int = 256
+    local_prefill_threshold: int = field(
+        default=256,
+        metadata=flag(
+            help="uncached prompt tokens a decode worker holding the rest prefills itself (0: never)"
+        ),
+    )
     # Sticky sessions remembered (least recently used forgotten first).
-    max_sessions: int = 10_000
+    max_sessions: int = field(default=10_000, metadata=flag())
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:

@@ -21,21 +21,16 @@ from pathlib import Path
 from aiohttp import web
 
 from pdserve.auth.secret import load_secret
-from pdserve.config_file import add_config_flag, expand
+from pdserve.config_file import add_config_flag
 from pdserve.errors import PdserveError
 from pdserve.router.app import create_app
 from pdserve.router.config import (
     MODE_SETTINGS,
-    AffinityConfig,
-    BreakerConfig,
-    RecoveryConfig,
     RouterConfig,
     parse_mode_setting,
-    parse_recovery,
 )
-from pdserve.router.flags import add_policy_flags
-from pdserve.router.mode.auto_mode import AutoConfig
-from pdserve.router.mode.interference import SLOConfig
+from pdserve.router.flags import add_policy_flags, policy_configs
+from pdserve.settings import parse_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
     """Parse flags (and a --config file) into a validated RouterConfig."""
     parser = build_parser()
-    args = parser.parse_args(expand(sys.argv[1:] if argv is None else argv, parser))
+    args = parse_args(parser, sys.argv[1:] if argv is None else argv)
     if args.model is None:
         from pdserve.model.tiny import default_model_path
 
@@ -128,41 +123,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
         chat_template=args.chat_template,
         allow_unknown_fields=args.allow_unknown_fields,
         health_deadline_s=args.health_deadline_s,
-        breaker=BreakerConfig(
-            enabled=not args.no_breaker,
-            window=args.breaker_window,
-            min_samples=args.breaker_min_samples,
-            failure_rate=args.breaker_failure_rate,
-            cooldown_s=args.breaker_cooldown_s,
-        ),
-        affinity=AffinityConfig(
-            routing=args.routing,
-            prefix_weight=args.prefix_weight,
-            load_weight=args.load_weight,
-            local_prefill_threshold=args.local_prefill_threshold,
-            max_sessions=args.max_sessions,
-        ),
-        slo=SLOConfig(ttft_s=args.slo_ttft_ms / 1e3, tpot_s=args.slo_tpot_ms / 1e3),
-        auto=AutoConfig(
-            interval_s=args.auto_interval_s,
-            window_s=args.auto_window_s,
-            min_dwell_s=args.auto_min_dwell_s,
-            sustain=args.auto_sustain,
-            min_requests=args.auto_min_requests,
-            target_attainment=args.auto_target_attainment,
-            low_water=args.auto_low_water,
-            split_backoff_s=args.auto_split_backoff_s,
-        ),
-        recovery=RecoveryConfig(
-            steps=parse_recovery(args.recovery),
-            transfer_attempts=args.transfer_attempts,
-            max_reprefills=args.max_reprefills,
-            max_migrations=args.max_migrations,
-            queue_timeout_s=args.queue_timeout_s,
-            max_queued=args.max_queued,
-            checkpoint=args.checkpoint,
-            checkpoint_lease_ttl_s=args.checkpoint_lease_ttl_s,
-        ),
+        **policy_configs(args),
     )
     config.chat_template_text()  # a bad --chat-template fails here, at start
     return config

@@ -23,15 +23,15 @@ from pathlib import Path
 from typing import NoReturn
 
 from pdserve.auth.secret import load_secret
-from pdserve.config import DTYPES, EngineConfig, ModelLoadConfig
-from pdserve.config_file import add_config_flag, expand
+from pdserve.config import DTYPES, ModelLoadConfig
+from pdserve.config_file import add_config_flag
 from pdserve.errors import ConfigError, PdserveError
-from pdserve.flags import add_engine_flags
+from pdserve.flags import add_engine_flags, engine_config
+from pdserve.settings import parse_args
 from pdserve.worker.config import KV_TRANSPORTS, ROLES, WorkerConfig
 from pdserve.worker.server import Worker
 
 PROG = "pdserve worker"
-_ENGINE_DEFAULTS = EngineConfig()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -51,8 +51,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-id", default="", help="default: <role>-<pid>")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--quantization", choices=("none", "int8"), default="none")
-    p.add_argument("--block-size", type=int, default=_ENGINE_DEFAULTS.block_size)
-    p.add_argument("--kv-cache-bytes", type=int, default=_ENGINE_DEFAULTS.kv_cache_bytes)
     add_engine_flags(p)
     add_config_flag(p)
     p.add_argument("--ready-file", type=Path, default=None, help='write {"url","pid"} here')
@@ -190,21 +188,12 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         quantization=None if args.quantization == "none" else args.quantization,
         device=args.device,
     )
-    engine = EngineConfig(
-        block_size=args.block_size,
-        kv_cache_bytes=args.kv_cache_bytes,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        batch_invariant=args.batch_invariant,
-        cuda_graphs=args.cuda_graphs,
-        kv_host_staging=args.kv_host_staging,
+    engine = engine_config(
+        args,
+        model,
         # A worker that sends handoffs keeps its KV where a same-host receiver can read it
         # (one copy over shared memory instead of two); see `transfer/arena.py`.
         shared_kv=args.role in ("prefill", "both") and args.kv_transport in ("auto", "shm"),
-        model=model,
     )
     secret = load_secret(args.cluster_secret_file)
     return WorkerConfig(
@@ -257,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status."""
     parser = build_parser()
     try:
-        args = parser.parse_args(expand(sys.argv[1:] if argv is None else argv, parser))
+        args = parse_args(parser, sys.argv[1:] if argv is None else argv)
         config = build_config(args)
     except ConfigError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

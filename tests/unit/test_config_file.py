@@ -11,9 +11,9 @@ import pytest
 
 from pdserve import cli
 from pdserve.cli.up import forwarded
-from pdserve.config_file import expand
 from pdserve.errors import ConfigError
 from pdserve.router.main import config_from_args
+from pdserve.settings import parse_args
 from pdserve.worker.main import build_config
 from pdserve.worker.main import build_parser as worker_parser
 
@@ -47,11 +47,11 @@ def test_worker_json_booleans(tmp_path: Path) -> None:
     cfg = write(tmp_path, "w.json", '{"enable_prefix_caching": false, "max_num_seqs": 8,'
                 ' "enable-chunked-prefill": true, "batch_invariant": false}')  # fmt: skip
     parser = worker_parser()
-    args = parser.parse_args(expand(["--config", str(cfg), "--role", "decode"], parser))
+    args = parse_args(parser, ["--config", str(cfg), "--role", "decode"], environ={})
     engine = build_config(args).engine
     assert (engine.enable_prefix_caching, engine.enable_chunked_prefill) == (False, True)
     assert (engine.max_num_seqs, engine.batch_invariant) == (8, False)
-    args = parser.parse_args(expand(["--config", str(cfg), "--enable-prefix-caching"], parser))
+    args = parse_args(parser, ["--config", str(cfg), "--enable-prefix-caching"], environ={})
     assert build_config(args).engine.enable_prefix_caching
 
 
@@ -71,7 +71,7 @@ def test_worker_json_booleans(tmp_path: Path) -> None:
 def test_bad_files_name_the_key(tmp_path: Path, text: str, named: str) -> None:
     cfg = write(tmp_path, "bad.yaml", text)
     with pytest.raises(ConfigError, match=named):
-        expand(["--config", str(cfg)], worker_parser())
+        parse_args(worker_parser(), ["--config", str(cfg)], environ={})
 
 
 def test_pdserve_up_forwards_router_and_engine_flags(
@@ -93,9 +93,9 @@ def test_pdserve_up_forwards_router_and_engine_flags(
     assert config.worker_args == (  # type: ignore[attr-defined]
         "--max-num-seqs",
         "4",
+        "--no-enable-prefix-caching",
         "--max-model-len",
         "300",
-        "--no-enable-prefix-caching",
     )
     router = config.router_args  # type: ignore[attr-defined]
     assert router == ("--served-model-name", "m", "--routing", "round_robin",

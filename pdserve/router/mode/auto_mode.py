@@ -50,10 +50,11 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from pdserve.errors import ConfigError
 from pdserve.router.mode.interference import LiveFigures, SLOConfig
+from pdserve.settings import flag
 
 
 class Action(enum.Enum):
@@ -98,33 +99,52 @@ class BreakerHealth(enum.Enum):
 class AutoConfig:
     """Thresholds and hysteresis of the automatic mode."""
 
-    interval_s: float = 1.0
+    interval_s: float = field(default=1.0, metadata=flag())
     # The live window the figures cover (router/mode/interference.py).
-    window_s: float = 10.0
+    window_s: float = field(
+        default=10.0,
+        metadata=flag(
+            help="seconds of live figures each decision (and the attainment gauges) covers"
+        ),
+    )
     # No change within this long of the previous one (the breaker's colocate excepted).
-    min_dwell_s: float = 15.0
+    min_dwell_s: float = field(
+        default=15.0,
+        metadata=flag(help="no change of mode or ratio within this long of the previous one"),
+    )
     # Consecutive evaluations that must propose the same change before it is made.
-    sustain: int = 3
+    sustain: int = field(
+        default=3,
+        metadata=flag(help="consecutive evaluations that must propose the same change"),
+    )
     # Requests ended in the window before attainment is trusted.
-    min_requests: int = 8
+    min_requests: int = field(default=8, metadata=flag())
     # Decode tokens without prefill before "decode alone meets the TPOT SLO" is trusted.
     min_decode_tokens: int = 10
     # Fraction of TPOT misses that must have shared a step with prefill to blame prefill.
     interfered_share: float = 0.5
     # Attainment (fraction of requests meeting an SLO) below which the SLO counts as broken.
-    target_attainment: float = 0.9
+    target_attainment: float = field(default=0.9, metadata=flag())
     # Back to colocated when prompt tokens/s fall below this fraction of the split's.
-    low_water: float = 0.5
+    low_water: float = field(
+        default=0.5,
+        metadata=flag(
+            help="back to colocated below this fraction of the prompt tokens/s at the split"
+        ),
+    )
     # After a split was undone for not helping, no new split for this long.
-    split_backoff_s: float = 120.0
+    split_backoff_s: float = field(
+        default=120.0,
+        metadata=flag(help="after a split was undone for not helping, no new split for this long"),
+    )
 
     def __post_init__(self) -> None:
-        for flag, value in (
+        for name, value in (
             ("--auto-interval-s", self.interval_s),
             ("--auto-window-s", self.window_s),
         ):
             if not (math.isfinite(value) and 0 < value <= 3600):
-                raise ConfigError(f"{flag}: must be > 0 and at most 3600, got {value:g}")
+                raise ConfigError(f"{name}: must be > 0 and at most 3600, got {value:g}")
         if not (math.isfinite(self.min_dwell_s) and 0 <= self.min_dwell_s <= 86400):
             raise ConfigError(f"--auto-min-dwell-s: must be in 0..86400, got {self.min_dwell_s:g}")
         if not 1 <= self.sustain <= 1000:

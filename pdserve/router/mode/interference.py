@@ -25,29 +25,42 @@ from __future__ import annotations
 import enum
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pdserve.errors import ConfigError
 from pdserve.observability.stats import percentile
+from pdserve.settings import flag
 
 if TYPE_CHECKING:
     # Type only: the protocol module pulls in torch, and `router.flags` (light) imports this.
     from pdserve.protocol.worker_api import StepInfo
 
 
+def _seconds(ms: float) -> float:
+    return ms / 1e3
+
+
+def _millis(seconds: float) -> float:
+    return seconds * 1e3
+
+
 @dataclass(frozen=True, slots=True)
 class SLOConfig:
     """The latency targets a request must meet (seconds)."""
 
-    ttft_s: float = 1.0
-    tpot_s: float = 0.05
+    ttft_s: float = field(
+        default=1.0, metadata=flag(name="slo-ttft-ms", to_field=_seconds, to_flag=_millis)
+    )
+    tpot_s: float = field(
+        default=0.05, metadata=flag(name="slo-tpot-ms", to_field=_seconds, to_flag=_millis)
+    )
 
     def __post_init__(self) -> None:
-        for flag, value in (("--slo-ttft-ms", self.ttft_s), ("--slo-tpot-ms", self.tpot_s)):
+        for name, value in (("--slo-ttft-ms", self.ttft_s), ("--slo-tpot-ms", self.tpot_s)):
             if not (math.isfinite(value) and 0 < value <= 3600):
                 raise ConfigError(
-                    f"{flag}: must be > 0 and at most 3600000 ms, got {value * 1e3:g}"
+                    f"{name}: must be > 0 and at most 3600000 ms, got {value * 1e3:g}"
                 )
 
 

@@ -1,0 +1,189 @@
+"""Configuration declared once: a config field carries its flag, and every source reads it.
+
+A field of a config dataclass declares its command-line flag in its metadata
+(`field(default=..., metadata=flag(help=...))`); `add_fields` turns the fields of a dataclass
+into argparse options and `build` turns the parsed values back into the dataclass, so a
+setting is written once, beside its default and its validation. Where a flag's unit differs
+from the field's (`--slo-ttft-ms` for `ttft_s`), the declaration says how to convert.
+
+`parse_args` reads every source a command takes, for any parser, in this order of precedence:
+the command line, then the environment (`PDSERVE_<FLAG>`, e.g. `PDSERVE_MAX_NUM_SEQS=32` for
+`--max-num-seqs`), then a `--config FILE` (YAML or JSON, keys are flag names), then the
+default. Values from the environment and the file are checked with the flag's own type and
+choices before anything starts; a bad one is a `ConfigError` naming the variable or the key.
+
+Why not a library: tyro (1.0.17) and pydantic-settings (2.16.3) both install here and were
+tried on a nested config. Both name a nested field's flag with a dot (`--breaker.window`), which
+would rename every flag users have; keeping today's names (`--no-breaker`, `--slo-ttft-ms` for
+a field in seconds) would need a per-field annotation in either, as many lines as this table;
+and a bad value comes back as a multi-line report (tyro's boxed panel, pydantic's
+ValidationError) where pdserve answers with one line naming the flag and the source. A table
+read by argparse keeps every flag as it is, and is small.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pdserve.config_file import checked_value, file_defaults, split_config_flag
+from pdserve.errors import ConfigError
+
+ENV_PREFIX = "PDSERVE_"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Flag:
+    """How one config field appears on the command line."""
+
+    help: str | None = None
+    # The flag without its dashes; None: the prefix given to `add_fields` + the field's name.
+    name: str | None = None
+    # argparse's type for the flag's text; None: the field default's own type.
+    type: Callable[[str], Any] | None = None
+    choices: Sequence[Any] | None = None
+    # The field's value from the flag's (units, parsing); None: the same value.
+    to_field: Callable[[Any], Any] | None = None
+    # The flag's default from the field's default; None: the same value.
+    to_flag: Callable[[Any], Any] | None = None
+    # A store_true flag that turns the (default True) field off: `--no-breaker`.
+    turns_off: bool = False
+    nargs: str | None = None
+    metavar: str | None = None
+
+
+def flag(**options: Any) -> dict[str, Flag]:
+    """Field metadata declaring the field's flag (the keywords of `Flag`)."""
+    return {"flag": Flag(**options)}
+
+
+def _flag_of(f: dataclasses.Field[Any]) -> Flag | None:
+    found = f.metadata.get("flag")
+    return found if isinstance(found, Flag) else None
+
+
+def _option(f: dataclasses.Field[Any], spec: Flag, prefix: str) -> str:
+    return spec.name if spec.name is not None else prefix + f.name.replace("_", "-")
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def add_fields(
+    group: argparse._ActionsContainer, cls: type[Any], prefix: str = "", skip: Sequence[str] = ()
+) -> None:
+    """An option for every field of `cls` that declares a flag (fields named in `skip` left
+    out: another command declares them)."""
+    for f in dataclasses.fields(cls):
+        spec = _flag_of(f)
+        if spec is None or f.name in skip:
+            continue
+        name = _option(f, spec, prefix)
+        if spec.turns_off:
+            group.add_argument(f"--{name}", action="store_true", help=spec.help)
+            continue
+        default = _default(f)
+        shown = spec.to_flag(default) if spec.to_flag is not None else default
+        if isinstance(default, bool) and spec.type is None:
+            group.add_argument(
+                f"--{name}", action=argparse.BooleanOptionalAction, default=shown, help=spec.help
+            )
+            continue
+        kind = spec.type or (type(shown) if shown is not None else str)
+        group.add_argument(
+            f"--{name}",
+            type=kind,
+            default=shown,
+            choices=spec.choices,
+            nargs=spec.nargs,
+            metavar=spec.metavar,
+            help=spec.help,
+        )
+
+
+T = TypeVar("T")
+
+
+def build(cls: type[T], args: argparse.Namespace, prefix: str = "", **given: Any) -> T:
+    """`cls` from the parsed flags of its declared fields, plus `given` fields (which win)."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        spec = _flag_of(f)
+        if spec is None or f.name in given:
+            continue
+        dest = _option(f, spec, prefix).replace("-", "_")
+        if not hasattr(args, dest):
+            continue  # declared, but not on this command (`skip` in `add_fields`)
+        value = getattr(args, dest)
+        if spec.turns_off:
+            values[f.name] = not value
+        else:
+            values[f.name] = spec.to_field(value) if spec.to_field is not None else value
+    return cls(**values, **given)
+
+
+# ---- sources: command line > environment > config file > default ---------------------------
+
+
+def env_name(action: argparse.Action) -> str:
+    """The environment variable of an option: `--max-num-seqs` -> PDSERVE_MAX_NUM_SEQS."""
+    return ENV_PREFIX + action.dest.upper()
+
+
+def _options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    skip = {"help", "config", "ready_file"}
+    return [a for a in parser._actions if a.option_strings and a.dest not in skip]
+
+
+def _from_text(action: argparse.Action, text: str, where: str) -> Any:
+    """An environment variable's text as the option's value, checked as the flag would be."""
+    if isinstance(action, argparse.BooleanOptionalAction) or action.nargs == 0:
+        lowered = text.strip().lower()
+        if lowered in _TRUE:
+            return True if action.const is None else action.const
+        if lowered in _FALSE:
+            return False if isinstance(action, argparse.BooleanOptionalAction) else action.default
+        raise ConfigError(f"{where}: expected one of {', '.join(_TRUE + _FALSE)}, got {text!r}")
+    many = isinstance(action, argparse._AppendAction) or action.nargs in ("+", "*")
+    parts = [p for p in text.replace(",", " ").split()] if many else [text]
+    values = [checked_value(action, p, where) for p in parts]
+    return values if many else values[0]
+
+
+def _env_defaults(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for action in _options(parser):
+        name = env_name(action)
+        if name in environ:
+            found[action.dest] = _from_text(action, environ[name], f"environment {name}")
+    return found
+
+
+def parse_args(
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str],
+    environ: Mapping[str, str] | None = None,
+) -> argparse.Namespace:
+    """Parse `argv` over the values the config file (`--config FILE` in `argv`, where the
+    parser takes one) and then the environment set: command line > environment > file >
+    default. The parser itself is not changed: its defaults stay what the code declares (what
+    `pdserve up` compares against to know what to pass on)."""
+    rest, path = list(argv), None
+    if any(a.dest == "config" for a in parser._actions):
+        rest, path = split_config_flag(argv)
+    preset: dict[str, Any] = {}
+    if path is not None:
+        preset.update(file_defaults(parser, Path(path)))
+    preset.update(_env_defaults(parser, os.environ if environ is None else environ))
+    return parser.parse_args(rest, namespace=argparse.Namespace(**preset))
