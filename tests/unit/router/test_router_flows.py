@@ -15,6 +15,7 @@ from fake_worker import FakeWorker
 from router_harness import completion, router, run
 
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.observability.exposition import parse, total
 from pdserve.router.api import sse
 
 
@@ -75,8 +76,9 @@ def test_refused_reserve_tries_next_decode_then_503_never_prefill(
             assert (await resp.json())["error"]["type"] == "server_error"
             assert prefill.paths() == []  # a failed reservation never wastes a prefill
             metrics = await (await client.get("/metrics")).text()
-            assert 'pdserve_router_requests_total{mode="disagg",status="no_capacity"} 1' in metrics
-            assert 'pdserve_router_requests_total{mode="disagg",status="ok"} 1' in metrics
+            samples, name = parse(metrics), "pdserve_router_requests_total"
+            assert total(samples, name, mode="disagg", status="no_capacity") == 1
+            assert total(samples, name, mode="disagg", status="ok") == 1
 
     run(body)
 

@@ -15,6 +15,7 @@ from fake_worker import FakeWorker
 from router_harness import completion, router, run
 
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.observability.exposition import parse, total
 from pdserve.router.config import BreakerConfig, RecoveryConfig
 
 
@@ -218,11 +219,11 @@ def test_breaker_colocates_after_failed_handoffs_and_a_probe_restores_disagg(
             health = await (await client.get("/health")).json()
             assert health["breaker"]["state"] == "closed"
             text = await (await client.get("/metrics")).text()
-            assert 'pdserve_router_breaker_transitions_total{from="closed",to="open"} 1' in text
-            assert (
-                'pdserve_router_breaker_transitions_total{from="half_open",to="closed"} 1' in text
-            )
-            assert 'pdserve_router_kv_handoffs_total{outcome="failed"} 2' in text
-            assert "pdserve_router_breaker_state 0" in text
+            samples = parse(text)
+            moves = "pdserve_router_breaker_transitions_total"
+            assert total(samples, moves, **{"from": "closed", "to": "open"}) == 1
+            assert total(samples, moves, **{"from": "half_open", "to": "closed"}) == 1
+            assert total(samples, "pdserve_router_kv_handoffs_total", outcome="failed") == 2
+            assert total(samples, "pdserve_router_breaker_state") == 0
 
     run(body)
