@@ -20,7 +20,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from cluster_auth import HTTP_KEY
+from cluster_auth import HTTP_KEY, signed_headers
 from worker_proc import WorkerHandle, launch_worker, router_process, wait_ready, worker_processes
 
 from pdserve.protocol.worker_api import KVEventsRequest
@@ -128,6 +128,19 @@ def wait_current(cluster: Cluster, timeout_s: float = 10.0) -> None:
         time.sleep(0.1)
 
 
+def fill(worker: WorkerHandle, request_id: str, prompt: list[int]) -> None:
+    """Run one prompt on `worker` itself (its own /generate, signed): 16 blocks into its cache."""
+    body = json.dumps(
+        {"request_id": request_id, "prompt_token_ids": prompt, "sampling": {"max_tokens": 1}}
+    ).encode()
+    request = urllib.request.Request(
+        f"{worker.url}/generate", body, signed_headers("POST", "/generate", body)
+    )
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        lines = [json.loads(line) for line in resp.read().splitlines() if line]
+    assert lines and lines[-1]["finished"], lines
+
+
 def decode_of(router: str, request_id: str, cluster: Cluster) -> tuple[str, str]:
     """(the decode worker that served the request, its routing details) from the timeline."""
     history = get(f"{router}/debug/requests/{request_id}?workers=0")["history"]
@@ -162,9 +175,11 @@ def test_a_session_keeps_its_worker_across_routers_until_its_blocks_are_evicted(
     served, details = decode_of(b, complete(b, turn, "chat-x"), cluster)
     assert served == holder
     assert "holds the prefix, local prefill of the suffix" in details
-    # Long unrelated prompts fill both decode workers' 24 blocks: the history is evicted.
-    for i in range(6):
-        complete(a, [500 + i] * 256)
+    # Long unrelated prompts fill each decode worker's 24 blocks: the history is evicted. They
+    # go to each worker directly: through a router, load ties could send them all to one.
+    for d in cluster.decodes:
+        for i in range(2):
+            fill(d, f"fill-{i}", [500 + i] * 256)
     wait_current(cluster)
     served, details = decode_of(b, complete(b, turn + [9] * 16, "chat-y"), cluster)
     assert "holds the prefix" not in details
