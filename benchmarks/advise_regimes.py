@@ -20,9 +20,11 @@ side by side on the same processes, see `pdserve.advise.command`):
   fast moment once left both arms inside the SLO (a tie), while at 28 req/s on a quiet machine
   colocated held (TPOT p50 8.8 ms) and the split's one decode worker did not (22 ms).
 
-The SLOs and rates are chosen for a quiet 2-core machine (load average below 2); on a loaded
-one everything is 3-4x slower and looser SLOs at lower rates show the same crossover (the
-history of this file has such a pair).
+The SLOs and rates are multiples of a lone request of each workload, measured first on the
+same cluster (`--slo-ttft-x` and friends of `pdserve advise`): with absolute SLOs chosen on a
+quiet machine, a machine 3-4x slower reproduced neither regime (colocated recommended for both,
+the split sustaining no rate). The multiples are those absolute figures over a quiet run's lone
+request.
 
 OUT.json holds, per workload, `pdserve advise --json`'s document without the per-request
 rows (config, curves, sustained rates, recommendation, `goodput_ratio_disagg_vs_colocated`),
@@ -37,22 +39,26 @@ import json
 import os
 from pathlib import Path
 
+from pdserve.advise.calibration import Relative
 from pdserve.advise.command import AdviseConfig, report_json, run_advise
 from pdserve.advise.goodput import prepare_run
-from pdserve.advise.goodput_stats import SLO, WorkloadShape
+from pdserve.advise.goodput_stats import WorkloadShape
 from pdserve.advise.workload import AdviseWorkload
 from pdserve.supervise.process import exit_on_sigterm
 
+# Multiples of a lone request of each workload, measured first on the same cluster
+# (`pdserve/advise/calibration.py`). They are the absolute SLOs and rates these regimes were
+# found with on a quiet run of this machine, divided by what a lone request did there
+# (split_wins: TTFT ~230 ms, TPOT ~5.5 ms, ~0.45 s end to end; colocated_wins: TTFT ~20 ms,
+# TPOT ~5.5 ms, ~0.28 s), so that a slower or busier machine gets SLOs and rates of its own.
 REGIMES = {
     "split_wins": (
         WorkloadShape(1800, 1990, 32, 48),
-        SLO(ttft_s=3.0, tpot_s=0.010),
-        (0.5, 1.0, 2.0, 3.0),
+        Relative(ttft_x=13.0, tpot_x=1.8, rates_x=(0.25, 0.5, 1.0, 1.5)),
     ),
     "colocated_wins": (
         WorkloadShape(32, 256, 32, 64),
-        SLO(ttft_s=1.0, tpot_s=0.015),
-        (8.0, 16.0, 24.0, 28.0, 32.0),
+        Relative(ttft_x=50.0, tpot_x=2.7, rates_x=(2.25, 4.5, 6.75, 7.9, 9.0)),
     ),
 }
 
@@ -70,29 +76,30 @@ def main() -> int:
     doc: dict[str, object] = {}
     if args.out.exists():
         doc = json.loads(args.out.read_text())
-    for name, (shape, slo, rates) in REGIMES.items():
+    for name, (shape, relative) in REGIMES.items():
         if args.only is not None and name != args.only:
             continue
         config = AdviseConfig(
             workload=AdviseWorkload(shape=shape),
             num_workers=2,
-            slo=slo,
-            rates=rates,
             duration_s=args.duration_s,
             repeats=args.repeats,
+            relative=relative,
         )
         before = os.getloadavg()
         result = run_advise(config)
         after = os.getloadavg()
-        report = report_json(config, result)
+        report = report_json(result)
         report.pop("requests")
         report["load_average_before_after"] = [before, after]
         doc[name] = report
         if args.plot is not None:
             from pdserve.advise.goodput_plot import save_serve_plots
 
-            save_serve_plots(result.report, slo, args.plot / name)
+            save_serve_plots(result.report, result.config.slo, args.plot / name)
         ratios = report["goodput_ratio_disagg_vs_colocated"]
+        calibration = report["config"]["calibration"]  # type: ignore[index]
+        print(f"{name}: calibrated on {calibration}")
         print(f"{name}: recommendation {report['recommendation']}; split/colocated {ratios}")
         args.out.write_text(json.dumps(doc, indent=2) + "\n")
     return 0

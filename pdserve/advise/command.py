@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
+import random
 import tempfile
 import urllib.request
 from collections.abc import Sequence
@@ -31,12 +33,15 @@ from pathlib import Path
 
 import aiohttp
 
+from pdserve.advise.calibration import Lone, Relative, calibrated, measure_lone, middle, tpot_of
+from pdserve.advise.client import stream_completion
 from pdserve.advise.flags import (
     add_load_arguments,
     add_output_arguments,
     integer,
     parse_load,
     positive,
+    positive_floats,
 )
 from pdserve.advise.goodput import Endpoint, ServeReport, measure, prepare_run, rows_json
 from pdserve.advise.goodput_stats import SLO, RequestSpec, WorkloadShape, render_table
@@ -51,6 +56,7 @@ _SLO = SLOConfig()
 MAX_WORKERS = 8
 MAX_RATE = 1000.0
 MAX_SLO_MS = 3_600_000.0
+_DEFAULT_RATES = "1,2,4,8"
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,15 +79,21 @@ class AdviseConfig:
     json_path: Path | None = None
     plot_dir: Path | None = None
     request_timeout_s: float = 120.0
+    # SLOs and rates as multiples of a lone request, measured first (`advise/calibration.py`);
+    # None: `slo` and `rates` as given.
+    relative: Relative | None = None
 
 
 @dataclass(slots=True)
 class AdviseResult:
-    """The measured curves and the conclusion."""
+    """The measured curves and the conclusion, under the config they ran with (calibrated)."""
 
+    config: AdviseConfig
     arms: list[Arm]
     report: ServeReport
     advice: Advice
+    # The lone request the SLOs and rates were calibrated on (None: absolute ones given).
+    lone: Lone | None = None
 
 
 def _endpoints(arms: list[Arm], router_url: str, model_name: str) -> list[Endpoint]:
@@ -134,6 +146,11 @@ def run_advise(config: AdviseConfig) -> AdviseResult:
         with urllib.request.urlopen(f"{router_url}/health", timeout=10) as resp:
             model_name = str(json.loads(resp.read())["model"])
         endpoints = _endpoints(arms, router_url, model_name)
+        lone = None
+        if config.relative is not None:
+            lone = asyncio.run(_lone(config, config.relative, endpoints[0], router_url, model_name))
+            slo, rates = calibrated(lone, config.relative)
+            config = dataclasses.replace(config, slo=slo, rates=rates)
         arm_index = {a.name: k for k, a in enumerate(arms)}
 
         def workload(i: int, rate: float, endpoint: Endpoint, repeat: int) -> list[RequestSpec]:
@@ -167,12 +184,38 @@ def run_advise(config: AdviseConfig) -> AdviseResult:
         )
     finally:
         cluster.stop()
-    return AdviseResult(arms, report, advise(arms, report.summaries, config.target_attainment))
+    advice = advise(arms, report.summaries, config.target_attainment)
+    return AdviseResult(config, arms, report, advice, lone)
 
 
-def report_json(config: AdviseConfig, result: AdviseResult) -> dict[str, object]:
+async def _lone(
+    config: AdviseConfig, relative: Relative, colocated: Endpoint, router_url: str, model: str
+) -> Lone:
+    """A lone request of the workload's middle size, colocated, on the cluster just started."""
+    specs = config.workload.build(1.0, config.seed, 64, None)
+    prompt_len = middle([len(s.prompt_token_ids) for s in specs])
+    output_len = middle([s.max_tokens for s in specs])
+    rng = random.Random(config.seed)
+    async with aiohttp.ClientSession() as session:
+        assert colocated.prepare is not None
+        await colocated.prepare(session)
+
+        async def send() -> tuple[float, float] | None:
+            # A new prompt each time: a cached one would measure the prefix cache.
+            prompt = [rng.randrange(40, 2000) for _ in range(prompt_len)]
+            body = {"model": model, "prompt": prompt, "max_tokens": output_len,
+                    "temperature": 0, "ignore_eos": True}  # fmt: skip
+            got = await stream_completion(session, router_url, body)
+            tpot = tpot_of(got.ttft_s, got.latency_s, len(got.token_ids))
+            return None if got.error or got.ttft_s is None or tpot is None else (got.ttft_s, tpot)
+
+        return await measure_lone(send, relative.repeats, output_len)
+
+
+def report_json(result: AdviseResult) -> dict[str, object]:
     """The `--json` document: config, curves, sustained rates, recommendation, ratios."""
-    advice, report = result.advice, result.report
+    config, advice, report = result.config, result.advice, result.report
+    relative = config.relative
     rows = rows_json(report, "arm")
     by_key = {(s.mode, s.rate): s for s in report.summaries}
     per_arm: dict[str, dict[str, float | None]] = {}
@@ -199,6 +242,17 @@ def report_json(config: AdviseConfig, result: AdviseResult) -> dict[str, object]
             "max_num_batched_tokens": config.max_num_batched_tokens,
             "workload": config.workload.describe(),
             "arms": [asdict(a) for a in result.arms],
+            "calibration": None
+            if relative is None or result.lone is None
+            else {
+                "lone_ttft_ms": result.lone.ttft_s * 1e3,
+                "lone_tpot_ms": result.lone.tpot_s * 1e3,
+                "lone_output_tokens": result.lone.num_output_tokens,
+                "slo_ttft_x": relative.ttft_x,
+                "slo_tpot_x": relative.tpot_x,
+                "rates_x": list(relative.rates_x),
+                "repeats": relative.repeats,
+            },
         },
         "results": rows["results"],
         "sustained_rate": advice.sustained,
@@ -221,11 +275,18 @@ def run_advise_command(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     prepare_run(config.plot_dir)
     result = run_advise(config)
+    config = result.config
+    if result.lone is not None:
+        print(
+            f"calibrated on a lone request: TTFT {result.lone.ttft_s * 1e3:.1f} ms, TPOT"
+            f" {result.lone.tpot_s * 1e3:.2f} ms -> SLOs {config.slo.ttft_s * 1e3:.0f} /"
+            f" {config.slo.tpot_s * 1e3:.1f} ms, rates {', '.join(f'{r:g}' for r in config.rates)}"
+        )
     print(render_table(result.report.summaries, config.slo))
     print()
     print(render_advice(result.advice, config.slo, config.target_attainment))
     if config.json_path is not None:
-        config.json_path.write_text(json.dumps(report_json(config, result), indent=2))
+        config.json_path.write_text(json.dumps(report_json(result), indent=2))
         print(f"results written to {config.json_path}")
     if config.plot_dir is not None:
         from pdserve.advise.goodput_plot import save_serve_plots
@@ -252,9 +313,11 @@ def _max_model_len(model: str | None) -> int:
 def config_from_args(args: argparse.Namespace) -> AdviseConfig:
     """The validated config; a bad value raises ConfigError naming its flag or trace line."""
     num_workers = integer("--workers", args.workers, 2, MAX_WORKERS) or 2
-    ttft_ms = positive("--slo-ttft-ms", args.slo_ttft_ms, MAX_SLO_MS) or 0.0
-    tpot_ms = positive("--slo-tpot-ms", args.slo_tpot_ms, MAX_SLO_MS) or 0.0
+    d = AdviseConfig(workload=AdviseWorkload(shape=WorkloadShape()))
+    ttft_ms = positive("--slo-ttft-ms", args.slo_ttft_ms, MAX_SLO_MS) or d.slo.ttft_s * 1e3
+    tpot_ms = positive("--slo-tpot-ms", args.slo_tpot_ms, MAX_SLO_MS) or d.slo.tpot_s * 1e3
     load = parse_load(args, 10.0, MAX_RATE, 100_000, 3600)
+    relative = _relative(args)
     target = positive("--target-attainment", args.target_attainment, 1.0) or 0.9
     seed = integer("--seed", args.seed, 0) or 0
     repeats = integer("--repeats", args.repeats, 1, 100) or 1
@@ -296,6 +359,32 @@ def config_from_args(args: argparse.Namespace) -> AdviseConfig:
         repeats=repeats,
         json_path=args.json,
         plot_dir=args.plot,
+        relative=relative,
+    )
+
+
+_RELATIVE = ("--slo-ttft-x", "--slo-tpot-x", "--rates-x")
+
+
+def _relative(args: argparse.Namespace) -> Relative | None:
+    """The SLOs and rates as multiples of a lone request, when asked for (all three, and no
+    absolute SLO or rate alongside); ConfigError naming the flag otherwise."""
+    given = [f for f in _RELATIVE if getattr(args, f[2:].replace("-", "_")) is not None]
+    if not given:
+        return None
+    missing = [f for f in _RELATIVE if f not in given]
+    if missing:
+        raise ConfigError(f"{missing[0]}: needed with {given[0]} (SLOs and rates relative)")
+    for flag, value in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-tpot-ms", args.slo_tpot_ms)):
+        if value is not None:
+            raise ConfigError(f"{flag}: give absolute SLOs or {given[0]}, not both")
+    if args.rates != _DEFAULT_RATES:
+        raise ConfigError("--rates: give absolute rates or --rates-x, not both")
+    return Relative(
+        ttft_x=positive("--slo-ttft-x", args.slo_ttft_x, 1e6) or 0.0,
+        tpot_x=positive("--slo-tpot-x", args.slo_tpot_x, 1e6) or 0.0,
+        rates_x=positive_floats("--rates-x", args.rates_x, 1e4),
+        repeats=integer("--calibration-repeats", args.calibration_repeats, 1, 100) or 5,
     )
 
 
@@ -306,11 +395,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--workers", default=str(d.num_workers), help=f"worker processes (2..{MAX_WORKERS})"
     )
     p.add_argument(
-        "--slo-ttft-ms", default=f"{d.slo.ttft_s * 1e3:g}", help="time to first token SLO"
+        "--slo-ttft-ms",
+        default=None,
+        help=f"time to first token SLO (default {d.slo.ttft_s * 1e3:g})",
     )
     p.add_argument(
-        "--slo-tpot-ms", default=f"{d.slo.tpot_s * 1e3:g}", help="time per output token SLO"
+        "--slo-tpot-ms",
+        default=None,
+        help=f"time per output token SLO (default {d.slo.tpot_s * 1e3:g})",
     )
+    c = p.add_argument_group(
+        "calibrated SLOs and rates: multiples of a lone request of the workload, measured first"
+    )
+    c.add_argument("--slo-ttft-x", default=None, help="TTFT SLO as a multiple of a lone request's")
+    c.add_argument("--slo-tpot-x", default=None, help="TPOT SLO as a multiple of a lone request's")
+    c.add_argument(
+        "--rates-x",
+        default=None,
+        help="comma-separated rates as multiples of 1 / a lone request's end-to-end time",
+    )
+    c.add_argument("--calibration-repeats", default="5", help="lone requests measured (medians)")
     w = p.add_argument_group("workload (length ranges, or a JSONL trace)")
     w.add_argument(
         "--prompt-tokens", default=None, metavar="N|MIN-MAX", help="prompt lengths (default 32-512)"

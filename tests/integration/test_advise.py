@@ -65,3 +65,40 @@ def test_advise_measures_both_arms_on_one_cluster_and_recommends_one(
     assert sizes["colocated"] == sizes["disagg-1:1"]
     assert set(sizes["colocated"]) <= {(40, 4), (120, 6)}
     assert {p.name for p in plots.iterdir()} >= {"goodput_vs_rate.png", "latency_cdf.png"}
+
+
+@pytest.mark.timeout(180)
+def test_advise_calibrates_slos_and_rates_on_a_lone_request(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "advise.json"
+    args = [
+        "--workers",
+        "2",
+        "--prompt-tokens",
+        "64-96",
+        "--output-tokens",
+        "8",
+        "--num-requests",
+        "3",
+    ]
+    args += ["--slo-ttft-x", "50", "--slo-tpot-x", "20", "--rates-x", "0.5", "--calibration-repeats", "2"]  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "pdserve", "advise", *args, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        env={**os.environ, "PDSERVE_CACHE": str(tiny_model_path.parent)},
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "calibrated on a lone request" in r.stdout
+    report = json.loads(out.read_text())
+    lone = report["config"]["calibration"]
+    assert lone["lone_ttft_ms"] > 0 and lone["lone_tpot_ms"] > 0 and lone["lone_output_tokens"] == 8
+    # The SLOs and the rate are the multiples of what the lone request measured.
+    assert report["config"]["ttft_slo_ms"] == pytest.approx(50 * lone["lone_ttft_ms"])
+    assert report["config"]["tpot_slo_ms"] == pytest.approx(20 * lone["lone_tpot_ms"])
+    e2e_s = (lone["lone_ttft_ms"] + 7 * lone["lone_tpot_ms"]) / 1e3
+    assert report["config"]["rates"] == [pytest.approx(0.5 / e2e_s, rel=1e-2)]
+    assert {s["mode"] for s in report["results"]} == {"colocated", "disagg-1:1"}

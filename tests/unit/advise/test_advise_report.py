@@ -201,8 +201,9 @@ def test_the_json_carries_the_ratio_and_the_recommendation() -> None:
     arms = arms_for(2)
     rows = [_summary("colocated", 2.0, 0.6, 1.2), _summary("disagg-1:1", 2.0, 1.0, 2.0)]
     config = AdviseConfig(workload=AdviseWorkload(shape=WorkloadShape()), rates=(2.0,))
-    result = AdviseResult(arms, ServeReport(summaries=rows), advise(arms, rows, 0.9))
-    doc = json.loads(json.dumps(report_json(config, result)))
+    result = AdviseResult(config, arms, ServeReport(summaries=rows), advise(arms, rows, 0.9))
+    doc = json.loads(json.dumps(report_json(result)))
+    assert doc["config"]["calibration"] is None
     assert doc["goodput_ratio_disagg_vs_colocated"] == {"2.0": pytest.approx(2.0 / 1.2)}
     assert doc["recommendation"]["name"] == "disagg-1:1" and doc["recommendation"]["meets_slo"]
     assert doc["goodput_ratio_vs_colocated"] == {"disagg-1:1": {"2.0": pytest.approx(2.0 / 1.2)}}
