@@ -112,3 +112,21 @@ def test_router_protocol_and_cli_do_not_load_torch(tiny_model_path: Path) -> Non
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_only_progress_writes_a_request_timeline() -> None:
+    """`router/flows/progress.py` is the one writer of `RequestTimeline`: nothing else in pdserve
+    calls its mutators on a timeline."""
+    mutators = {"advance", "retry", "fail", "record_tokens"}
+    writers = set()
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in mutators
+                and ast.unparse(node.func.value).endswith("timeline")
+            ):
+                writers.add(str(path.relative_to(PACKAGE.parent)))
+    assert writers == {"pdserve/router/flows/progress.py"}, writers

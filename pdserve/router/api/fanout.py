@@ -30,9 +30,10 @@ import xxhash
 
 from pdserve.errors import RouterError
 from pdserve.model.tokenizer import Tokenizer
-from pdserve.protocol.request_state import RequestState, RequestTimeline
+from pdserve.protocol.request_state import RequestTimeline
 from pdserve.protocol.worker_api import LogprobModel
 from pdserve.router.api.responses import ChoiceResult, Job
+from pdserve.router.flows import progress
 from pdserve.router.flows.dispatcher import Dispatcher
 from pdserve.router.flows.flow import Flow, FlowRequest
 from pdserve.text.output import OutputStream
@@ -121,7 +122,7 @@ async def _choice_pieces(run: ChoiceRun) -> AsyncGenerator[Piece, None]:
             if output.finished and not timeline.done:
                 # Finished here (stop string, max_tokens) before the worker said so; closing
                 # the flow after this releases the worker's copy without a failure record.
-                timeline.advance(RequestState.FINISHED, f"router: {output.finish_reason}")
+                progress.finished(timeline, f"router: {output.finish_reason}")
             logprobs = (chunk.logprobs or [])[: len(accepted)]
             result.text += text
             result.logprobs.extend(logprobs)

@@ -38,6 +38,7 @@ from pdserve.router.api.openai_models import ChatDelta, ModelCard, ModelList
 from pdserve.router.api.request_builder import BuilderConfig, RequestBuilder
 from pdserve.router.api.responses import Job, error_body
 from pdserve.router.config import RouterConfig
+from pdserve.router.flows import progress
 from pdserve.router.flows.dispatcher import Dispatcher
 from pdserve.router.metrics import RouterMetrics
 
@@ -123,13 +124,15 @@ class OpenAIApi:
             raise
         except TimeoutError:
             for run in runs:
-                run.timeline.fail(f"request timeout ({self._config.request_timeout_s} s)")
+                progress.failed(
+                    run.timeline, f"request timeout ({self._config.request_timeout_s} s)"
+                )
             status = "timeout"
             raise
         except (ConnectionResetError, asyncio.CancelledError):
             status = "cancelled"  # the client went away: the flows were closed, holds released
             for run in runs:
-                run.timeline.fail("client disconnected")
+                progress.failed(run.timeline, "client disconnected")
             raise
         finally:
             self._metrics.count_request(mode, status)
@@ -188,7 +191,7 @@ class OpenAIApi:
             status = "timeout"
             message = f"request timed out after {self._config.request_timeout_s} s"
             for run in runs:
-                run.timeline.fail(message)
+                progress.failed(run.timeline, message)
             await resp.write(sse.encode_event(error_body(message, "timeout", code="timeout")))
         except PdserveError as exc:
             # Headers are out: the failure becomes the stream's last event, never a status.

@@ -20,6 +20,7 @@ from pdserve.protocol.request_state import Reason
 from pdserve.protocol.request_state import RequestState as S
 from pdserve.protocol.worker_api import ErrorBody, GenerateRequest, TokenEvent
 from pdserve.router.config import AffinityConfig
+from pdserve.router.flows import progress
 from pdserve.router.flows.flow import FlowRequest, TokenChunk
 from pdserve.router.placement.affinity import AffinityPolicy, RouteQuery
 from pdserve.router.workers.client import WorkerClient
@@ -71,10 +72,10 @@ class ColocatedFlow:
                     f"no colocated (role both) worker accepted {request.request_id}"
                     f" (tried {sorted(tried)})"
                 )
-                timeline.fail(str(exc))
+                progress.failed(timeline, str(exc))
                 raise exc
             url = ranked[0].url
-            timeline.advance(S.ROUTED, url)
+            progress.routed(timeline, url)
             body = GenerateRequest(
                 request_id=request.request_id,
                 prompt_token_ids=request.prompt_token_ids,
@@ -96,9 +97,9 @@ class ColocatedFlow:
                             if isinstance(exc, WorkerUnreachable):
                                 self._pool.mark_failed(url, str(exc))
                             tried.add(url)
-                            timeline.retry(Reason.WORKER_REFUSED, str(exc))
+                            progress.retrying(timeline, Reason.WORKER_REFUSED, str(exc))
                             continue
-                        timeline.advance(S.DECODING)
+                        progress.decoding(timeline)
                         event: TokenEvent | None = first
                         while event is not None:
                             output.extend(event.token_ids)
@@ -109,19 +110,19 @@ class ColocatedFlow:
                                 )
                             if event.finished:
                                 settled = True
-                                timeline.advance(S.FINISHED, event.finish_reason or "")
+                                progress.finished(timeline, event.finish_reason or "")
                                 yield TokenChunk.of_event(event, event.finish_reason or "stop")
                                 return
                             yield TokenChunk.of_event(event)
                             event = await anext(events, None)
                         raise WorkerUnreachable(url, "generate stream ended before finished")
                 except RouterError as exc:
-                    timeline.fail(str(exc))
+                    progress.failed(timeline, str(exc))
                     raise
                 finally:
                     if not settled:
                         await self._client.release_quietly(url, request.request_id)
-                        timeline.fail("closed before the worker finished")
+                        progress.failed(timeline, "closed before the worker finished")
                     if timeline.state is S.FINISHED:
                         self._affinity.record(
                             self._pool.snapshot(),

@@ -59,7 +59,7 @@ from pdserve.protocol.worker_api import (
     TokenEvent,
 )
 from pdserve.router.config import AffinityConfig, RecoveryConfig
-from pdserve.router.flows import checkpoint_plan
+from pdserve.router.flows import checkpoint_plan, progress
 from pdserve.router.flows.capacity_queue import CapacityQueue
 from pdserve.router.flows.flow import FlowRequest, TokenChunk
 from pdserve.router.flows.recovery import (
@@ -206,13 +206,14 @@ class DisaggFlow:
                     run.budget.spend(step)
                     prefer = failed.decode_url if step is Step.LOCAL_PREFILL else None
                     label = "local prefill" if step is Step.LOCAL_PREFILL else "migration"
-                    timeline.retry(
+                    progress.retrying(
+                        timeline,
                         STEP_REASON[(failed.failure, step)],
                         f"{step.value} after {len(run.sent)} tokens"
                         f" ({failed.failure.value}): {failed.cause}",
                     )
         except RouterError as exc:
-            timeline.fail(str(exc))
+            progress.failed(timeline, str(exc))
             raise
         finally:
             if run.leg is not None:
@@ -228,7 +229,7 @@ class DisaggFlow:
                     run.sent,
                     request.session_id,
                 )
-            timeline.fail("closed before the worker finished")
+            progress.failed(timeline, "closed before the worker finished")
             self.queue.notify()  # its decode blocks are free again
 
     # ---- the handoff: reserve, prefill, transfer, decode ----------------------------------
@@ -250,11 +251,11 @@ class DisaggFlow:
         result = await self._prefill(run, leg)
         run.decode_url, run.prefill_url = leg.decode_url, leg.prefill_url
         run.first_prefill_url = run.first_prefill_url or leg.prefill_url
-        timeline.advance(S.PREFILLED, f"first_token={result.first_token_id}")
+        progress.prefilled(timeline, result.first_token_id)
         if not run.sent:
             finish = self._first_token_finishes(request, result.first_token_id)
             if finish is not None:
-                timeline.advance(S.FINISHED, f"first token: {finish}")
+                progress.finished(timeline, f"first token: {finish}")
                 yield TokenChunk.of_prefill(result, finish)
                 return
             run.sent.append(result.first_token_id)
@@ -269,7 +270,7 @@ class DisaggFlow:
         request = run.request
         timeline = request.timeline
         try:
-            timeline.advance(S.PREFILLING, leg.prefill_url)
+            progress.prefilling(timeline, leg.prefill_url)
             remaining = request.remaining_s()
             signed = sign_reservation(
                 self._reservation_key,
@@ -306,7 +307,7 @@ class DisaggFlow:
         decode_died after it) when D fails."""
         request = run.request
         timeline = request.timeline
-        timeline.advance(S.TRANSFERRING, leg.decode_url)
+        progress.transferring(timeline, leg.decode_url)
         remaining = request.remaining_s()
         run.holder = checkpoint_plan.choose_holder(self._pool.snapshot(), leg.decode_url)
         decode = DecodeRequest(
@@ -327,14 +328,14 @@ class DisaggFlow:
                     async for event in events:
                         if not committed:
                             committed = True
-                            timeline.advance(S.COMMITTED, _handoff_detail(event))
+                            progress.committed(timeline, _handoff_detail(event))
                             self._report_handoff(event)
                         if event.token_ids and timeline.state is S.COMMITTED:
-                            timeline.advance(S.DECODING)
+                            progress.decoding(timeline)
                         run.sent.extend(event.token_ids)
                         if event.finished:
                             run.leg = None  # finished: the worker freed everything itself
-                            timeline.advance(S.FINISHED, event.finish_reason or "")
+                            progress.finished(timeline, event.finish_reason or "")
                             yield TokenChunk.of_event(event, event.finish_reason or "stop")
                             return
                         if event.token_ids:
@@ -395,7 +396,7 @@ class DisaggFlow:
         run.decode_url, run.prefill_url = url, None
         run.num_resumes += 1
         rid = f"{request.request_id}.m{run.num_resumes}"
-        timeline.advance(S.ROUTED, f"{label} to {url} after {len(run.sent)} tokens")
+        progress.routed(timeline, f"{label} to {url} after {len(run.sent)} tokens")
         recovery = self._recovery
         source = None
         if run.sent:
@@ -428,11 +429,11 @@ class DisaggFlow:
                 ):
                     async for event in events:
                         if timeline.state is S.ROUTED:
-                            timeline.advance(S.DECODING, url)
+                            progress.decoding(timeline, url)
                         run.sent.extend(event.token_ids)
                         if event.finished:
                             finished = True
-                            timeline.advance(S.FINISHED, event.finish_reason or "")
+                            progress.finished(timeline, event.finish_reason or "")
                             yield TokenChunk.of_event(event, event.finish_reason or "stop")
                             return
                         yield TokenChunk.of_event(event)

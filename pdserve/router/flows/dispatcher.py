@@ -25,6 +25,7 @@ from pdserve.observability.request_stats import BREAKER_DETAIL, request_stats
 from pdserve.observability.timeline_log import TimelineEvent, emit
 from pdserve.protocol.request_state import Reason, RequestState, RequestTimeline, Transition
 from pdserve.router.config import Mode
+from pdserve.router.flows import progress
 from pdserve.router.flows.flow import Flow, FlowRequest, TokenChunk
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.mode.breaker import BreakerState, BreakerTransition, CircuitBreaker
@@ -157,7 +158,7 @@ class _ObservedFlow:
             async with contextlib.aclosing(self._flow.stream(request)) as chunks:
                 async for chunk in chunks:
                     n = len(chunk.token_ids)
-                    gap = timeline.record_tokens(n, time.monotonic_ns())
+                    gap = progress.tokens(timeline, n, time.monotonic_ns())
                     if gap is not None and self._metrics is not None:
                         self._metrics.observe_itl(gap, n)
                     if monitor is not None and tracker is not None:

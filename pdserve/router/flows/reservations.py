@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pdserve.errors import NoCapacity, RouterError, WorkerUnreachable
 from pdserve.faults import FaultClosed, FaultInjector, FaultSite, perform
 from pdserve.protocol.request_state import Reason
-from pdserve.protocol.request_state import RequestState as S
 from pdserve.protocol.worker_api import RenewRequest, Reservation, ReserveRequest
+from pdserve.router.flows import progress
 from pdserve.router.flows.capacity_queue import CapacityQueue
 from pdserve.router.flows.flow import FlowRequest
 from pdserve.router.placement.affinity import AffinityPolicy, RouteQuery
@@ -130,7 +130,7 @@ class Reserver:
         refused_for_capacity = False
         while (pair := self._pick_pair(query, tried, skip_prefill)) is not None:
             decode, prefill = pair
-            timeline.advance(S.ROUTED, f"decode={decode.url} prefill={prefill.url}")
+            progress.routed(timeline, f"decode={decode.url} prefill={prefill.url}")
             try:
                 await router_fault(self._faults, FaultSite.ROUTER_BEFORE_RESERVE, decode.url)
                 # Counted on both workers from now: a burst arriving together sees each
@@ -154,9 +154,9 @@ class Reserver:
                 else:
                     refused_for_capacity = True
                 tried.add(decode.url)
-                timeline.retry(Reason.RESERVE_REFUSED, str(exc))
+                progress.retrying(timeline, Reason.RESERVE_REFUSED, str(exc))
                 continue
-            timeline.advance(S.RESERVED, reservation.transfer_id)
+            progress.reserved(timeline, reservation.transfer_id)
             return Leg(decode.url, prefill.url, rid, reservation), refused_for_capacity, tried
         return None, refused_for_capacity, tried
 
