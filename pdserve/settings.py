@@ -56,6 +56,11 @@ class Flag:
     turns_off: bool = False
     nargs: str | None = None
     metavar: str | None = None
+    # argparse's action where the type's own does not fit: "append" (a repeatable flag whose
+    # values make a tuple), "store_true" (a plain switch, no `--no-` form).
+    action: str | None = None
+    # The argument group it is listed under in --help (None: the container given).
+    group: str | None = None
 
 
 def flag(**options: Any) -> dict[str, Flag]:
@@ -80,6 +85,19 @@ def _default(f: dataclasses.Field[Any]) -> Any:
     return None
 
 
+def group_titled(
+    group: argparse._ActionsContainer, title: str | None
+) -> argparse._ActionsContainer:
+    """The argument group titled `title` of `group`'s parser (made on first use; `group`
+    itself when it is a group already or `title` is None)."""
+    if title is None or not isinstance(group, argparse.ArgumentParser):
+        return group
+    for existing in group._action_groups:
+        if existing.title == title:
+            return existing
+    return group.add_argument_group(title)
+
+
 def add_fields(
     group: argparse._ActionsContainer, cls: type[Any], prefix: str = "", skip: Sequence[str] = ()
 ) -> None:
@@ -89,27 +107,27 @@ def add_fields(
         spec = _flag_of(f)
         if spec is None or f.name in skip:
             continue
-        name = _option(f, spec, prefix)
-        if spec.turns_off:
-            group.add_argument(f"--{name}", action="store_true", help=spec.help)
+        name = f"--{_option(f, spec, prefix)}"
+        where = group_titled(group, spec.group)
+        if spec.turns_off or spec.action == "store_true":
+            where.add_argument(name, action="store_true", help=spec.help)
             continue
         default = _default(f)
         shown = spec.to_flag(default) if spec.to_flag is not None else default
         if isinstance(default, bool) and spec.type is None:
-            group.add_argument(
-                f"--{name}", action=argparse.BooleanOptionalAction, default=shown, help=spec.help
+            where.add_argument(
+                name, action=argparse.BooleanOptionalAction, default=shown, help=spec.help
             )
             continue
-        kind = spec.type or (type(shown) if shown is not None else str)
-        group.add_argument(
-            f"--{name}",
-            type=kind,
-            default=shown,
-            choices=spec.choices,
-            nargs=spec.nargs,
-            metavar=spec.metavar,
-            help=spec.help,
-        )
+        options: dict[str, Any] = {"default": shown, "help": spec.help}
+        if spec.action == "append":
+            options.update(action="append", default=list(shown or ()))
+        else:
+            options.update(type=spec.type or (type(shown) if shown is not None else str))
+            options.update(choices=spec.choices, nargs=spec.nargs)
+        if spec.metavar is not None:
+            options["metavar"] = spec.metavar
+        where.add_argument(name, **options)
 
 
 T = TypeVar("T")
