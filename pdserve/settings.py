@@ -99,13 +99,18 @@ def group_titled(
 
 
 def add_fields(
-    group: argparse._ActionsContainer, cls: type[Any], prefix: str = "", skip: Sequence[str] = ()
+    group: argparse._ActionsContainer,
+    cls: type[Any],
+    prefix: str = "",
+    skip: Sequence[str] = (),
+    groups: Sequence[str | None] | None = None,
 ) -> None:
     """An option for every field of `cls` that declares a flag (fields named in `skip` left
-    out: another command declares them)."""
+    out: another command declares them; with `groups`, only fields listed in one of those
+    --help groups, None standing for no group)."""
     for f in dataclasses.fields(cls):
         spec = _flag_of(f)
-        if spec is None or f.name in skip:
+        if spec is None or f.name in skip or (groups is not None and spec.group not in groups):
             continue
         name = f"--{_option(f, spec, prefix)}"
         where = group_titled(group, spec.group)

@@ -208,47 +208,127 @@ class RouterConfig:
     """The router's settings; validated at construction."""
 
     # Worker base URLs, e.g. "http://127.0.0.1:8101".
-    workers: tuple[str, ...]
+    workers: tuple[str, ...] = field(
+        metadata=flag(
+            name="worker", action="append", to_field=tuple, help="worker base URL (repeatable)"
+        )
+    )
     # Folder with the tokenizer and config.json; its name is the served model name.
     model: Path
     # "auto": start colocated and let `router/mode/auto_controller.py` split and rejoin the pool.
-    mode: ModeSetting = "disagg"
-    host: str = "127.0.0.1"
+    mode: ModeSetting = field(
+        default="disagg",
+        metadata=flag(
+            choices=MODE_SETTINGS,
+            help="auto: start colocated, split `both` workers into prefill and decode roles when"
+            " prefill breaks the TPOT SLO, rejoin them when the load falls or the breaker opens",
+        ),
+    )
+    host: str = field(default="127.0.0.1", metadata=flag())
     # 0 picks a free port (reported through ready_file).
-    port: int = 0
+    port: int = field(default=0, metadata=flag())
     # When set, /v1 and /admin need "Authorization: Bearer <api_key>".
-    api_key: str | None = None
-    ready_file: Path | None = None
+    api_key: str | None = field(default=None, metadata=flag(type=str))
+    ready_file: Path | None = field(default=None, metadata=flag(type=Path))
     # Whole request, from received to the last token.
-    request_timeout_s: float = 600.0
+    request_timeout_s: float = field(
+        default=600.0, metadata=flag(group="serving (OpenAI API)", help="per-request deadline")
+    )
     health_poll_interval_s: float = 1.0
     # A worker whose health polls have failed this long has its open streams and calls cut, so
     # they fail over now (a paused or hung worker never closes them). 0: never.
-    health_deadline_s: float = 3.0
+    health_deadline_s: float = field(
+        default=3.0,
+        metadata=flag(
+            help="cut a worker's open streams once its health polls failed this long (0: never)"
+        ),
+    )
     # Recent requests whose timelines GET /debug/requests/{id} keeps (oldest evicted first).
-    timeline_ring: int = 1000
+    timeline_ring: int = field(
+        default=1000,
+        metadata=flag(help="recent requests whose timelines /debug/requests/{id} keeps"),
+    )
     # How long a decode reservation (and the prefill KV) waits for its transfer.
-    lease_ttl_s: float = 30.0
+    lease_ttl_s: float = field(
+        default=30.0,
+        metadata=flag(group="serving (OpenAI API)", help="decode reservation / prefill KV lease"),
+    )
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     affinity: AffinityConfig = field(default_factory=AffinityConfig)
     # Where workers register ("etcd://HOST:PORT[/PREFIX]"); None: the static `workers` list.
-    discovery: str | None = None
+    discovery: str | None = field(
+        default=None,
+        metadata=flag(
+            type=str,
+            metavar="etcd://HOST:PORT[/PREFIX]",
+            help="find workers registered in etcd instead of --worker URLs",
+        ),
+    )
     # Fault-injection rules at the router's sites (`pdserve.faults` syntax), tests only.
-    faults: tuple[str, ...] = ()
-    fault_seed: int = 0
+    faults: tuple[str, ...] = field(
+        default=(),
+        metadata=flag(
+            name="fault",
+            action="append",
+            metavar="SPEC",
+            to_field=tuple,
+            help="tests only: inject SITE:ACTION[:key=value,...] at a router site (repeatable)",
+        ),
+    )
+    fault_seed: int = field(default=0, metadata=flag(help="seed of the fault plan's draws"))
     # The cluster credential it signs every worker call and reservation with; None only with
     # `insecure_no_auth` (for workers started with --insecure-no-auth).
     cluster_secret: ClusterSecret | None = None
-    insecure_no_auth: bool = False
+    insecure_no_auth: bool = field(
+        default=False,
+        metadata=flag(
+            action="store_true",
+            group="security",
+            help="talk to workers started with --insecure-no-auth (no credential)",
+        ),
+    )
     # Names clients may pass as `model` (the first is listed first); () -> the folder's name.
-    served_model_names: tuple[str, ...] = ()
+    served_model_names: tuple[str, ...] = field(
+        default=(),
+        metadata=flag(
+            name="served-model-name",
+            nargs="+",
+            type=str,
+            metavar="NAME",
+            to_field=lambda names: tuple(names or ()),
+            to_flag=lambda names: None,
+            group="serving (OpenAI API)",
+            help="names clients pass as `model` (default: the model folder's name)",
+        ),
+    )
     # Cap on prompt + output tokens; None -> the model's max_position_embeddings.
-    max_model_len: int | None = None
+    max_model_len: int | None = field(
+        default=None,
+        metadata=flag(
+            type=int,
+            group="serving (OpenAI API)",
+            help="longest prompt + output in tokens (default: the model's max_position_embeddings)",
+        ),
+    )
     # A Jinja chat template (the text, or a file holding it) replacing the tokenizer's.
-    chat_template: str | None = None
+    chat_template: str | None = field(
+        default=None,
+        metadata=flag(
+            type=str,
+            group="serving (OpenAI API)",
+            help="a Jinja chat template, or a file holding one, replacing the tokenizer's",
+        ),
+    )
     # Drop unknown top-level request fields (logged) instead of answering 400.
-    allow_unknown_fields: bool = False
+    allow_unknown_fields: bool = field(
+        default=False,
+        metadata=flag(
+            action="store_true",
+            group="serving (OpenAI API)",
+            help="drop (and log) unknown request fields instead of answering 400",
+        ),
+    )
     # The latency targets the router measures attainment against (and auto mode keeps).
     slo: SLOConfig = field(default_factory=SLOConfig)
     # Thresholds and hysteresis of the automatic mode; its window is also the live window.

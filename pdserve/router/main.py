@@ -25,69 +25,25 @@ from pdserve.config_file import add_config_flag
 from pdserve.errors import PdserveError
 from pdserve.router.app import create_app
 from pdserve.router.config import (
-    MODE_SETTINGS,
     RouterConfig,
-    parse_mode_setting,
 )
 from pdserve.router.flags import add_policy_flags, policy_configs
-from pdserve.settings import parse_args
+from pdserve.settings import add_fields, build, group_titled, parse_args
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The router's command-line flags."""
     p = argparse.ArgumentParser(prog="pdserve router", description=__doc__.splitlines()[0])
     add_config_flag(p)
-    p.add_argument("--worker", action="append", default=[], help="worker base URL (repeatable)")
-    p.add_argument(
-        "--discovery",
-        default=None,
-        metavar="etcd://HOST:PORT[/PREFIX]",
-        help="find workers registered in etcd instead of --worker URLs",
-    )
-    p.add_argument(
-        "--mode",
-        choices=MODE_SETTINGS,
-        default="disagg",
-        help="auto: start colocated, split `both` workers into prefill and decode roles when"
-        " prefill breaks the TPOT SLO, rejoin them when the load falls or the breaker opens",
-    )
-    p.add_argument(
-        "--fault",
-        action="append",
-        default=[],
-        metavar="SPEC",
-        help="tests only: inject SITE:ACTION[:key=value,...] at a router site (repeatable)",
-    )
-    p.add_argument("--fault-seed", type=int, default=0, help="seed of the fault plan's draws")
     p.add_argument("--model", default=None, help="model folder (default: the tiny built-in)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0)
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--ready-file", type=Path, default=None)
-    p.add_argument(
-        "--health-deadline-s",
-        type=float,
-        default=3.0,
-        help="cut a worker's open streams once its health polls failed this long (0: never)",
-    )
-    p.add_argument(
-        "--timeline-ring",
-        type=int,
-        default=1000,
-        help="recent requests whose timelines /debug/requests/{id} keeps",
-    )
+    # The router's own settings, declared on RouterConfig's fields (`pdserve.settings`).
+    add_fields(p, RouterConfig, groups=(None, "security"))
     add_policy_flags(p)
-    sec = p.add_argument_group("security")
-    sec.add_argument(
+    group_titled(p, "security").add_argument(
         "--cluster-secret-file",
         type=Path,
         default=None,
         help="the cluster secret (else $PDSERVE_CLUSTER_SECRET): signs every worker call",
-    )
-    sec.add_argument(
-        "--insecure-no-auth",
-        action="store_true",
-        help="talk to workers started with --insecure-no-auth (no credential)",
     )
     return p
 
@@ -102,27 +58,11 @@ def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
         model = default_model_path()
     else:
         model = Path(args.model)
-    config = RouterConfig(
-        cluster_secret=load_secret(args.cluster_secret_file),
-        insecure_no_auth=args.insecure_no_auth,
-        workers=tuple(args.worker),
-        discovery=args.discovery,
-        faults=tuple(args.fault),
-        fault_seed=args.fault_seed,
+    config = build(
+        RouterConfig,
+        args,
         model=model,
-        mode=parse_mode_setting(args.mode),
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        ready_file=args.ready_file,
-        request_timeout_s=args.request_timeout_s,
-        lease_ttl_s=args.lease_ttl_s,
-        timeline_ring=args.timeline_ring,
-        served_model_names=tuple(args.served_model_name or ()),
-        max_model_len=args.max_model_len,
-        chat_template=args.chat_template,
-        allow_unknown_fields=args.allow_unknown_fields,
-        health_deadline_s=args.health_deadline_s,
+        cluster_secret=load_secret(args.cluster_secret_file),
         **policy_configs(args),
     )
     config.chat_template_text()  # a bad --chat-template fails here, at start
