@@ -42,6 +42,9 @@ ROUTER_ARGS = (
     "--auto-min-requests", "4",
     "--auto-split-backoff-s", "600",
     "--local-prefill-threshold", "0",
+    # Not the subject here: on a starved 2-core machine health polls can miss 3 s, and a
+    # drained worker's cut streams or missing layout made 3 of 20 loops fail at load 7-10.
+    "--health-deadline-s", "30",
 )  # fmt: skip
 SHORT, LONG = (24, 12), (1500, 6)  # (prompt tokens, output tokens)
 
