@@ -47,18 +47,19 @@ from pdserve.advise.workload import AdviseWorkload
 from pdserve.supervise.process import exit_on_sigterm
 
 # Multiples of a lone request of each workload, measured first on the same cluster
-# (`pdserve/advise/calibration.py`). They are the absolute SLOs and rates these regimes were
-# found with on a quiet run of this machine, divided by what a lone request did there
-# (split_wins: TTFT ~230 ms, TPOT ~5.5 ms, ~0.45 s end to end; colocated_wins: TTFT ~20 ms,
-# TPOT ~5.5 ms, ~0.28 s), so that a slower or busier machine gets SLOs and rates of its own.
+# (`pdserve/advise/calibration.py`): the absolute SLOs and rates these regimes were found with
+# on a quiet run of this machine (split_wins: TTFT 3 s, TPOT 10 ms, 0.5-3 req/s;
+# colocated_wins: 1 s, 15 ms, 8-32 req/s) over what a lone request measured here (split_wins:
+# TTFT ~310 ms, TPOT ~3.4 ms, ~0.44 s end to end; colocated_wins: ~20 ms, ~2.0 ms, ~0.11 s), so
+# that a slower or busier machine gets SLOs and rates of its own.
 REGIMES = {
     "split_wins": (
         WorkloadShape(1800, 1990, 32, 48),
-        Relative(ttft_x=13.0, tpot_x=1.8, rates_x=(0.25, 0.5, 1.0, 1.5)),
+        Relative(ttft_x=10.0, tpot_x=3.0, rates_x=(0.25, 0.5, 1.0, 1.5)),
     ),
     "colocated_wins": (
         WorkloadShape(32, 256, 32, 64),
-        Relative(ttft_x=50.0, tpot_x=2.7, rates_x=(2.25, 4.5, 6.75, 7.9, 9.0)),
+        Relative(ttft_x=50.0, tpot_x=7.5, rates_x=(0.9, 1.8, 2.6, 3.1, 3.5)),
     ),
 }
 

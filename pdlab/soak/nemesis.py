@@ -28,7 +28,7 @@ from pdlab.netlab import Lab
 from pdlab.soak.history import FaultRecord
 from pdlab.soak.nemesis_plan import FaultKind, PlannedFault
 from pdserve.errors import RouterError
-from pdserve.protocol.worker_api import FaultPlanBody
+from pdserve.protocol.worker_observe import FaultPlanBody
 from pdserve.router.workers.client import WorkerClient
 from pdserve.supervise.supervisor import ChildState, Supervisor
 

@@ -13,10 +13,11 @@ Endpoints (role in brackets):
     POST /release   ReleaseRequest  -> ReleaseResult                   [all]
     POST /kv_abort  KVAbortRequest  -> KVAbortResult                   [decode, both]
     POST /renew     RenewRequest    -> RenewResult                     [decode, both]
-    POST /kv_events KVEventsRequest -> stream of KVEventBatch          [all]
+    POST /kv_events KVEventsRequest -> stream of KVEventBatch          [all]   (`worker_observe.py`)
     POST /checkpoint/{put,renew,release,lookup,send}  (`checkpoint_protocol.py`) [decode, both]
     GET  /metrics                   Prometheus text                    [all]
-    GET  /debug/requests/{id}       WorkerEvents                       [all]
+    GET  /debug/requests/{id}       WorkerEvents                       [all]   (`worker_observe.py`)
+    GET/POST/DELETE /admin/faults   FaultState    (tests only)         [all]   (`worker_observe.py`)
 Errors are `ErrorBody` with an HTTP status: 400 bad input, 401 no cluster credential, 403 a
 forged, stale or replayed credential (or a capability token that does not match), 404 unknown
 request, 409 wrong role or state, 503 no capacity (with Retry-After), 504 the request's deadline
@@ -53,20 +54,22 @@ MAX_LEASE_TTL_S = 3600.0
 MAX_WAIT_S = 86400.0
 
 
-class _Model(BaseModel):
+class WireModel(BaseModel):
+    """Every wire model's base: unknown fields, NaN and infinities refused (400 naming them)."""
+
     # NaN and infinities are not JSON: a duration of Infinity would reach a lease or a
     # deadline that cannot take it, so they are refused with the field named (400).
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
-class GrammarModel(_Model):
+class GrammarModel(WireModel):
     """Wire form of `GrammarSpec`: a structured-output constraint."""
 
     kind: Literal["json_schema", "regex", "choice", "grammar"]
     source: str
 
 
-class SamplingModel(_Model):
+class SamplingModel(WireModel):
     """Wire form of `SamplingParams` (validated again when converted).
 
     Everything that shapes a token travels here, so a prefill worker, the decode worker that
@@ -121,7 +124,7 @@ class SamplingModel(_Model):
         return cls.model_validate(fields)
 
 
-class LogprobModel(_Model):
+class LogprobModel(WireModel):
     """Wire form of `TokenLogprobs`: one position's logprob and top alternatives.
 
     JSON floats round-trip exactly (a float32 value is a float64 without loss, and the
@@ -145,7 +148,7 @@ class LogprobModel(_Model):
         )
 
 
-class StepTotalsModel(_Model):
+class StepTotalsModel(WireModel):
     """Cumulative engine step figures (`pdserve.engine.step_stats.StepTotals`): steps and
     seconds per kind (decode-only, prefill-only, mixed), tokens per phase, and the busy
     seconds attributed to each phase. The router differences two polls to size a P:D split."""
@@ -163,7 +166,7 @@ class StepTotalsModel(_Model):
     decode_busy_s: float
 
 
-class WorkerHealth(_Model):
+class WorkerHealth(WireModel):
     """What the router needs to place work on this worker."""
 
     worker_id: str
@@ -198,7 +201,7 @@ class WorkerHealth(_Model):
     steps: StepTotalsModel | None = None
 
 
-class ReserveRequest(_Model):
+class ReserveRequest(WireModel):
     """Reserve a decode slot and blocks for a prompt whose KV will be transferred in."""
 
     request_id: str
@@ -209,7 +212,7 @@ class ReserveRequest(_Model):
     lease_ttl_s: float = Field(default=30.0, gt=0, le=MAX_LEASE_TTL_S)
 
 
-class KVEndpoint(_Model):
+class KVEndpoint(WireModel):
     """One way to reach a decode worker's KV receiver."""
 
     transport: Transport
@@ -220,7 +223,7 @@ class KVEndpoint(_Model):
     host_id: str | None = None
 
 
-class Reservation(_Model):
+class Reservation(WireModel):
     """Where and how the prefill worker must send the KV."""
 
     # Format of this model; a prefill worker refuses a version it does not speak.
@@ -239,7 +242,7 @@ class Reservation(_Model):
     lease_ttl_s: float
 
 
-class SignedReservation(_Model):
+class SignedReservation(WireModel):
     """A reservation as the router vouches for it: the prefill worker sends KV only to a
     reservation whose signature (cluster secret, "reservation" key) it verifies."""
 
@@ -251,7 +254,7 @@ class SignedReservation(_Model):
     signature: str
 
 
-class PrefillRequest(_Model):
+class PrefillRequest(WireModel):
     """Prefill a prompt, return its first token, then push the KV to the reservation."""
 
     request_id: str
@@ -268,19 +271,19 @@ class PrefillRequest(_Model):
     deadline_s: float | None = Field(default=None, gt=0, le=MAX_WAIT_S)
 
 
-class RenewRequest(_Model):
+class RenewRequest(WireModel):
     """POST /renew: the router still wants this reservation (its prefill is running)."""
 
     request_id: str
 
 
-class RenewResult(_Model):
+class RenewResult(WireModel):
     request_id: str
     # Seconds the reservation now lives without another renewal.
     lease_ttl_s: float
 
 
-class KVAbortRequest(_Model):
+class KVAbortRequest(WireModel):
     """POST /kv_abort: the prefill side gave up sending this reservation's KV."""
 
     request_id: str
@@ -290,13 +293,13 @@ class KVAbortRequest(_Model):
     reason: str
 
 
-class KVAbortResult(_Model):
+class KVAbortResult(WireModel):
     request_id: str
     # False: no such pending reservation (already verified, released or expired).
     cancelled: bool
 
 
-class PrefillResult(_Model):
+class PrefillResult(WireModel):
     """The first generated token; the KV transfer continues in the background."""
 
     request_id: str
@@ -312,7 +315,7 @@ class PrefillResult(_Model):
     prefill_end_ns: int
 
 
-class CheckpointPlan(_Model):
+class CheckpointPlan(WireModel):
     """Replicate this request's KV to `holder_url` under `policy` ("prompt", "every-N")
     (`pdserve/checkpoint/`; the holder's endpoints are in `checkpoint_protocol.py`)."""
 
@@ -327,7 +330,7 @@ class CheckpointPlan(_Model):
         return value
 
 
-class CheckpointSource(_Model):
+class CheckpointSource(WireModel):
     """Where a resumed request's KV may be found: its checkpoint holder, and workers whose
     prefix caches may hold leading blocks of it (nearest cache first: the longest wins)."""
 
@@ -335,7 +338,7 @@ class CheckpointSource(_Model):
     cache_urls: list[str] = Field(default_factory=list, max_length=8)
 
 
-class DecodeRequest(_Model):
+class DecodeRequest(WireModel):
     """Decode a reserved request once its KV is verified, streaming from the second token."""
 
     request_id: str
@@ -349,7 +352,7 @@ class DecodeRequest(_Model):
     checkpoint: CheckpointPlan | None = None
 
 
-class GenerateRequest(_Model):
+class GenerateRequest(WireModel):
     """A whole request on one worker (colocated)."""
 
     request_id: str
@@ -367,7 +370,7 @@ class GenerateRequest(_Model):
     checkpoint_from: CheckpointSource | None = None
 
 
-class HandoffInfo(_Model):
+class HandoffInfo(WireModel):
     """How a request's KV reached the decode worker (on the first line of /decode)."""
 
     # "" when nothing travelled (the whole prompt was cached on the decode worker).
@@ -382,7 +385,7 @@ class HandoffInfo(_Model):
     canary: str
 
 
-class StepInfo(_Model):
+class StepInfo(WireModel):
     """The engine step that produced a streamed token: how long it ran and what shared it.
 
     `decode` says this request's token came from a decode slice; `num_prefill_tokens` > 0
@@ -396,7 +399,7 @@ class StepInfo(_Model):
     decode: bool
 
 
-class TokenEvent(_Model):
+class TokenEvent(WireModel):
     """One line of a token stream."""
 
     token_ids: list[int]
@@ -419,68 +422,16 @@ class TokenEvent(_Model):
     step: StepInfo | None = None
 
 
-class ReleaseRequest(_Model):
+class ReleaseRequest(WireModel):
     request_id: str
 
 
-class ReleaseResult(_Model):
+class ReleaseResult(WireModel):
     request_id: str
     num_freed_blocks: int
 
 
-class WorkerEventModel(_Model):
-    """One timeline event of a worker (see `observability.timeline_log.TimelineEvent`)."""
-
-    request_id: str
-    event: str
-    # The worker's monotonic clock, nanoseconds; wall clock, seconds since the epoch.
-    monotonic_ns: int
-    wall_time_s: float
-    detail: str = ""
-
-
-class WorkerEvents(_Model):
-    """GET /debug/requests/{id}: the worker's events for a router request id (suffixes
-    `.rN`, `.mN` included), with its clocks read as it answered."""
-
-    worker_id: str
-    role: Role
-    # The worker's monotonic clock when the call arrived and as it answered (a clock echo).
-    request_monotonic_ns: int
-    monotonic_ns: int
-    wall_time_s: float
-    events: list[WorkerEventModel]
-
-
-class KVEventsRequest(_Model):
-    """POST /kv_events: follow this worker's prefix cache (blocks stored and evicted)."""
-
-    # Resume after this event of this epoch. None, another epoch (the worker restarted) or an
-    # event the worker no longer has (a gap): the stream starts with a snapshot instead.
-    after_seq: int | None = Field(default=None, ge=0)
-    epoch: str | None = None
-
-
-KVEventBatchKind = Literal["snapshot", "stored", "evicted", "cleared", "heartbeat"]
-
-
-class KVEventBatch(_Model):
-    """One line of a KV event stream (see `engine.kv_events`).
-
-    `snapshot`: every hash cached now, as of event `seq` (replace what you had); `stored`,
-    `evicted`, `cleared`: event number `seq`, to apply only right after `seq - 1`;
-    `heartbeat`: nothing happened, the newest event is still `seq` (sent after a second of
-    silence, so a silent stream means a silent worker).
-    """
-
-    epoch: str
-    seq: int
-    kind: KVEventBatchKind
-    # Chained block hashes (unsigned 64-bit).
-    block_hashes: list[int] = Field(default_factory=list)
-
-
-class ErrorBody(_Model):
+class ErrorBody(WireModel):
     """Every non-2xx response."""
 
     error: str
@@ -488,32 +439,6 @@ class ErrorBody(_Model):
     type: str
     retryable: bool = False
     worker_id: str | None = None
-
-
-class FaultPlanBody(_Model):
-    """POST /admin/faults: the fault plan that replaces the current one (tests only)."""
-
-    # `pdserve.faults` rules, `SITE:ACTION[:key=value,...]`, applied in order.
-    rules: list[str]
-    seed: int = 0
-
-
-class InjectedFaultModel(_Model):
-    """One fault that fired: its site, the 0-based hit index there, and the action."""
-
-    site: str
-    hit: int
-    action: str
-
-
-class FaultState(_Model):
-    """GET /admin/faults: the plan and what it injected since it was set."""
-
-    rules: list[str]
-    seed: int
-    injected: list[InjectedFaultModel]
-    # Hits counted per site since the plan was set.
-    hits: dict[str, int]
 
 
 WorkerHealth.model_rebuild()

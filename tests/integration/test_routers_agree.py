@@ -23,7 +23,7 @@ import pytest
 from cluster_auth import HTTP_KEY, signed_headers
 from worker_proc import WorkerHandle, launch_worker, router_process, wait_ready, worker_processes
 
-from pdserve.protocol.worker_api import KVEventsRequest
+from pdserve.protocol.worker_observe import KVEventsRequest
 from pdserve.router.placement.prefix_index import PrefixIndex
 from pdserve.router.workers.client import ClientTimeouts, WorkerClient
 

@@ -26,8 +26,6 @@ from worker_proc import WorkerHandle, launch_worker, wait_ready, worker_processe
 from pdserve.faults import parse_rule
 from pdserve.protocol.worker_api import (
     DecodeRequest,
-    FaultPlanBody,
-    FaultState,
     KVAbortRequest,
     PrefillRequest,
     PrefillResult,
@@ -37,6 +35,7 @@ from pdserve.protocol.worker_api import (
     SamplingModel,
     TokenEvent,
 )
+from pdserve.protocol.worker_observe import FaultPlanBody, FaultState
 
 T = TypeVar("T")
 TIMEOUT = aiohttp.ClientTimeout(total=20)

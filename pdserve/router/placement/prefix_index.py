@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from pdserve.protocol.worker_api import KVEventBatch
+from pdserve.protocol.worker_observe import KVEventBatch
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,11 +26,7 @@ from pdserve.errors import RouterError, WorkerCallError, WorkerUnreachable
 from pdserve.protocol.worker_api import (
     DecodeRequest,
     ErrorBody,
-    FaultPlanBody,
-    FaultState,
     GenerateRequest,
-    KVEventBatch,
-    KVEventsRequest,
     PrefillRequest,
     PrefillResult,
     ReleaseRequest,
@@ -40,8 +36,14 @@ from pdserve.protocol.worker_api import (
     Reservation,
     ReserveRequest,
     TokenEvent,
-    WorkerEvents,
     WorkerHealth,
+)
+from pdserve.protocol.worker_observe import (
+    FaultPlanBody,
+    FaultState,
+    KVEventBatch,
+    KVEventsRequest,
+    WorkerEvents,
 )
 
 _M = TypeVar("_M", bound=BaseModel)

@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from pdserve.errors import RouterError
-from pdserve.protocol.worker_api import KVEventsRequest
+from pdserve.protocol.worker_observe import KVEventsRequest
 from pdserve.router.placement.prefix_index import PrefixIndex
 from pdserve.router.workers.client import WorkerClient
 from pdserve.tasks import cancel_and_wait

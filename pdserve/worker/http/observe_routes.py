@@ -18,14 +18,13 @@ from aiohttp import web
 
 from pdserve.faults import parse_rules
 from pdserve.observability.exposition import render_text
-from pdserve.protocol.worker_api import (
+from pdserve.protocol.worker_api import KVEndpoint, WorkerHealth
+from pdserve.protocol.worker_observe import (
     FaultPlanBody,
     FaultState,
     InjectedFaultModel,
-    KVEndpoint,
     WorkerEventModel,
     WorkerEvents,
-    WorkerHealth,
 )
 from pdserve.worker.kv.transport_stats import TransportStats
 from pdserve.worker.metrics import (

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from pdserve.engine.engine import Engine
 from pdserve.engine.kv_events import KVEventLog
-from pdserve.protocol.worker_api import KVEventBatch, KVEventsRequest
+from pdserve.protocol.worker_observe import KVEventBatch, KVEventsRequest
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.http.token_stream import end_stream
 

@@ -13,7 +13,7 @@ from router_harness import run
 from test_affinity_policy import HISTORY, NEXT, policy_with_history, query, urls, view
 
 from pdserve.engine.block_manager import prefix_block_hashes
-from pdserve.protocol.worker_api import KVEventBatch, KVEventBatchKind
+from pdserve.protocol.worker_observe import KVEventBatch, KVEventBatchKind
 from pdserve.router.placement.affinity import AffinityPolicy
 from pdserve.router.placement.prefix_index import FeedPosition, PrefixIndex
 from pdserve.router.workers.client import ClientTimeouts, WorkerClient
