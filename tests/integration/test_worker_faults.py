@@ -421,7 +421,9 @@ def test_renew_keeps_a_reservation_past_its_ttl_and_lapses_without(workers: Work
             await asyncio.sleep(0.3)
             status, answer = await post(session, f"{workers.decode.url}/renew", renew)
             assert status == 200 and answer["lease_ttl_s"] == 1.0, answer
-        await asyncio.sleep(2.0)  # no renewal: the reaper frees it
+        # No renewal: the reaper frees it one TTL (1 s) after the last renewal. Watched on
+        # /health, which renews nothing (a /renew to poll would keep it alive).
+        await until_idle(session, workers.decode)
         status, answer = await post(session, f"{workers.decode.url}/renew", renew)
         assert status == 404 and answer["type"] == "RequestNotFound", answer
         await until_idle(session, workers.decode)

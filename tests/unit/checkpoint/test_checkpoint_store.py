@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 from checkpoint_fakes import FakeSender
 from pydantic import ValidationError
+from waiting import until
 
 from pdserve.checkpoint.host_tier import HostTier
 from pdserve.engine.block_manager import prefix_block_hashes
@@ -133,8 +134,7 @@ def test_a_put_is_held_once_verified_then_pulled_adopted_and_released() -> None:
         lookup = CheckpointLookup(token_ids=TOKENS, fingerprint_digest="fp-a")
         assert store.lookup(lookup).num_blocks == 0  # not verified yet: not held
         receiver.land(b"\x07")
-        await asyncio.sleep(0.01)
-        assert receiver.fenced  # the writer is fenced before the blocks count as held
+        await until(lambda: receiver.fenced)  # fenced before the blocks count as held
         assert (store.lookup(lookup).num_blocks, store.lookup(lookup).version) == (2, 8)
         sent = await store.send(_send_body(2, adopt="r1.m1"), DEST)
         assert (sent.num_blocks, sent.num_bytes) == (2, 16)
@@ -156,8 +156,8 @@ def test_a_put_never_verified_gives_its_room_back() -> None:
         store, receiver, _, _ = _store()
         store.put(_put("r1", 0, 3))
         assert store.tier.reserved_bytes == 3 * BLOCK_BYTES
-        await asyncio.sleep(1.1)  # the put timeout
-        assert store.tier.reserved_bytes == 0 and store.tier.num_blocks == 0
+        await until(lambda: store.tier.reserved_bytes == 0)  # the put timeout (1 s) passed
+        assert store.tier.num_blocks == 0
         assert receiver.fenced and not receiver.expected
         await store.aclose()
 
@@ -170,8 +170,8 @@ def test_a_put_whose_owner_was_released_in_flight_is_not_kept() -> None:
         store.put(_put("r1", 0, 1))
         store.release("r1")  # the request ended while its bytes were on the way
         receiver.land(b"\x01")
-        await asyncio.sleep(0.01)
-        assert store.tier.num_blocks == 0 and store.tier.reserved_bytes == 0
+        await until(lambda: store.tier.reserved_bytes == 0)
+        assert store.tier.num_blocks == 0
         await store.aclose()
 
     asyncio.run(scenario())

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from checkpoint_fakes import FakeSender
+from waiting import until
 
 from pdserve.engine.block_manager import prefix_block_hashes
 from pdserve.engine.canary import ValueDigest
@@ -134,8 +135,8 @@ def test_the_end_of_a_request_never_waits_for_a_paused_holder() -> None:
         started = asyncio.get_running_loop().time()
         await replica.close()
         assert asyncio.get_running_loop().time() - started < 1.0
-        await asyncio.sleep(0.01)  # the release is on its way, in the background
-        assert ("/checkpoint/release", CheckpointOwner(owner="r")) in peers.posts
+        # The release is on its way, in the background.
+        await until(lambda: ("/checkpoint/release", CheckpointOwner(owner="r")) in peers.posts)
         await streams.aclose()  # gives up on it after a moment, leaving no task behind
 
     asyncio.run(asyncio.wait_for(scenario(), 10))
@@ -148,14 +149,13 @@ def test_a_failing_holder_stops_the_replica_counted_and_an_ended_request_is_not_
         peers.fail = True
         replica = streams.open("r", plan, list(range(9)), 8)
         assert replica is not None
-        await asyncio.sleep(0.01)
-        assert replica.stopped and streams.counters.failures == {"PeerCallError": 1}
+        await until(lambda: replica.stopped and streams.counters.failures == {"PeerCallError": 1})
         peers.fail = False
         loop.engine.gone = True
         ended = streams.open("r2", plan, list(range(9)), 8)
         assert ended is not None
-        await asyncio.sleep(0.01)
-        assert ended.stopped and sum(streams.counters.failures.values()) == 1
+        await until(lambda: ended.stopped)
+        assert sum(streams.counters.failures.values()) == 1
         off = CheckpointPlan(holder_url="http://h", policy="off")
         assert streams.open("r3", off, [1, 2], 2) is None
         await replica.close()
@@ -222,8 +222,8 @@ def test_puts_after_the_first_ride_the_link_or_sessions_for_a_holder_without_lin
         for token in range(51, 58):
             await asyncio.sleep(0)
             seen(_delta([token]))
-        await asyncio.sleep(0.01)
-        assert replica.num_sent_blocks == 4 and not replica.stopped  # no put was lost
+        await until(lambda: replica.num_sent_blocks == 4)
+        assert not replica.stopped  # no put was lost
         session = [p.first_version for p in _puts(peers)]
         if unsupported:
             # One link attempt, then sessions: this put and every later one.
