@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from waiting import until
+
 from pdserve.errors import WorkerUnreachable
 from pdserve.membership import Member, StaticMembership
 from pdserve.protocol.worker_api import WorkerHealth
@@ -82,11 +84,10 @@ def test_joins_are_numbered_after_everyone_seen_and_polled_at_once() -> None:
         membership.set([m(2), m(3)])  # w1 leaves, w3 joins
         assert views(pool) == [("http://w2", 1, True), ("http://w3", 2, False)]
         assert client.abandoned == ["http://w1"]  # its open streams are cut at once
-        await asyncio.sleep(0.01)  # the join poll, not the 60 s interval
-        assert views(pool) == [("http://w2", 1, True), ("http://w3", 2, True)]
+        # The join poll, not the 60 s interval.
+        await until(lambda: views(pool) == [("http://w2", 1, True), ("http://w3", 2, True)])
         membership.set([m(2), m(3), m(1)])  # w1 back: a new index, after w3
-        await asyncio.sleep(0.01)
-        assert [i for _, i, _ in views(pool)] == [1, 2, 3]
+        await until(lambda: [i for _, i, _ in views(pool)] == [1, 2, 3])
         await pool.stop()
         assert membership.stopped
 

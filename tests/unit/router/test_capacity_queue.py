@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from waiting import until
 
 from pdserve.errors import NoCapacity
 from pdserve.router.flows.capacity_queue import CapacityQueue
@@ -23,8 +24,8 @@ def test_waiters_are_served_in_arrival_order_and_only_the_head_is_woken() -> Non
             queue.notify()  # it found room: the next may too
 
         tasks = [asyncio.create_task(waiter(n)) for n in "abc"]
-        await asyncio.sleep(0.01)
-        assert queue.num_waiting == 3 and order == []
+        await until(lambda: queue.num_waiting == 3)
+        assert order == []
         queue.notify()  # one release: the head goes, then hands on
         await asyncio.gather(*tasks)
         return order
