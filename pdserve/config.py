@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.errors import ConfigError
-from pdserve.settings import flag
+from pdserve.settings import setting
 
 # float16 is served on CUDA only (`model.device`).
 DTYPES = ("float32", "bfloat16", "float16")
@@ -29,12 +29,10 @@ class ModelLoadConfig:
     quantization: str | None = None
     # auto: CUDA when this torch build has it and a GPU is visible, else the CPU
     # (`model.device.resolve_device`, which also refuses float16 off CUDA).
-    device: str = field(
-        default="auto",
-        metadata=flag(
-            choices=DEVICES,
-            help="where the engine runs: auto is CUDA when torch has it and a GPU is visible",
-        ),
+    device: str = setting(
+        "auto",
+        choices=DEVICES,
+        help="where the engine runs: auto is CUDA when torch has it and a GPU is visible",
     )
 
     def __post_init__(self) -> None:
@@ -51,42 +49,35 @@ class EngineConfig:
     """KV cache size and scheduling limits of one engine."""
 
     # Tokens per KV block.
-    block_size: int = field(default=16, metadata=flag())
+    block_size: int = setting(16)
     # Bytes of KV cache to allocate; the number of blocks follows from the model's shapes.
-    kv_cache_bytes: int = field(default=256 * 1024 * 1024, metadata=flag())
+    kv_cache_bytes: int = setting(256 * 1024 * 1024)
     # Overrides kv_cache_bytes when set (tests use tiny pools to force preemption).
     num_blocks: int | None = None
     # Tokens one step may process across all requests (prefill chunks + decode tokens).
-    max_num_batched_tokens: int = field(default=2048, metadata=flag())
+    max_num_batched_tokens: int = setting(2048)
     # Requests running at once.
-    max_num_seqs: int = field(default=64, metadata=flag(help="requests running at once"))
+    max_num_seqs: int = setting(64, help="requests running at once")
     # Split long prompts into chunks that share steps with decode tokens.
-    enable_chunked_prefill: bool = field(
-        default=True,
-        metadata=flag(help="split long prompts into chunks that share steps with decoding"),
+    enable_chunked_prefill: bool = setting(
+        True, help="split long prompts into chunks that share steps with decoding"
     )
     # Reuse full KV blocks of earlier requests with the same token prefix.
-    enable_prefix_caching: bool = field(
-        default=True,
-        metadata=flag(help="reuse KV blocks of earlier requests with the same prefix"),
+    enable_prefix_caching: bool = setting(
+        True, help="reuse KV blocks of earlier requests with the same prefix"
     )
     # Compute every token on canonical shapes (`model.batch_invariant`): its logits, and so
     # its logprobs and sampled token, are bitwise the same whatever else the step computes,
     # however the prompt was chunked or cached, and after a migration's recompute.
-    batch_invariant: bool = field(
-        default=False,
-        metadata=flag(
-            help="bitwise-reproducible logits whatever the batch (costs throughput; see README)"
-        ),
+    batch_invariant: bool = setting(
+        False, help="bitwise-reproducible logits whatever the batch (costs throughput; see README)"
     )
     # Longest prompt + output a request may have; None: the model's max_position_embeddings
     # (a larger value is refused when the model loads).
-    max_model_len: int | None = field(
-        default=None,
-        metadata=flag(
-            type=int,
-            help="longest prompt + output in tokens (default: the model's max_position_embeddings)",
-        ),
+    max_model_len: int | None = setting(
+        None,
+        type=int,
+        help="longest prompt + output in tokens (default: the model's max_position_embeddings)",
     )
     # The KV cache in an exported memfd arena that same-host peers map read-only, so the
     # shared-memory transport hands a handoff's blocks over with one copy (the receiver's)
@@ -94,17 +85,13 @@ class EngineConfig:
     shared_kv: bool = False
     # KV handed off through a host mirror of the cache (`engine/kv_cache.py`): what a GPU
     # engine always does; on the CPU it exercises the same staging path in tests.
-    kv_host_staging: bool = field(
-        default=False,
-        metadata=flag(
-            help="hand KV off through a host mirror of the cache (always so on a GPU; on the CPU"
-            " for tests of that path)"
-        ),
+    kv_host_staging: bool = setting(
+        False,
+        help="hand KV off through a host mirror of the cache (always so on a GPU; on the CPU"
+        " for tests of that path)",
     )
     # On CUDA, decode-only steps replay CUDA graphs captured per padded batch size.
-    cuda_graphs: bool = field(
-        default=True, metadata=flag(help="on CUDA, replay decode steps as captured graphs")
-    )
+    cuda_graphs: bool = setting(True, help="on CUDA, replay decode steps as captured graphs")
     model: ModelLoadConfig = field(default_factory=ModelLoadConfig)
 
     def __post_init__(self) -> None:

@@ -1,7 +1,8 @@
 """Configuration declared once: a config field carries its flag, and every source reads it.
 
-A field of a config dataclass declares its command-line flag in its metadata
-(`field(default=..., metadata=flag(help=...))`); `add_fields` turns the fields of a dataclass
+A field of a config dataclass declares its command-line flag where it is declared
+(`max_queued: int = setting(64, help=...)`, the flag's options in its metadata); `add_fields`
+turns the fields of a dataclass
 into argparse options and `build` turns the parsed values back into the dataclass, so a
 setting is written once, beside its default and its validation. Where a flag's unit differs
 from the field's (`--slo-ttft-ms` for `ttft_s`), the declaration says how to convert.
@@ -66,6 +67,12 @@ class Flag:
 def flag(**options: Any) -> dict[str, Flag]:
     """Field metadata declaring the field's flag (the keywords of `Flag`)."""
     return {"flag": Flag(**options)}
+
+
+def setting(default: Any, **options: Any) -> Any:
+    """A config dataclass field with default `default` that declares its flag (the keywords of
+    `Flag`): `max_queued: int = setting(64, help="...")`."""
+    return dataclasses.field(default=default, metadata=flag(**options))
 
 
 def _flag_of(f: dataclasses.Field[Any]) -> Flag | None:

@@ -14,7 +14,7 @@ from pdserve.protocol.checkpoint_policy import CheckpointPolicy
 from pdserve.protocol.worker_api import MAX_LEASE_TTL_S, MAX_WAIT_S
 from pdserve.router.mode.auto_mode import AutoConfig
 from pdserve.router.mode.interference import SLOConfig
-from pdserve.settings import flag
+from pdserve.settings import flag, setting
 
 # The path a request takes; fixed when it begins.
 Mode = Literal["disagg", "colocated"]
@@ -34,9 +34,9 @@ def parse_mode(value: str) -> Mode:
 
 def parse_mode_setting(value: str) -> ModeSetting:
     """`value` as a ModeSetting (a mode or "auto"); ConfigError naming it otherwise."""
-    for setting in MODE_SETTINGS:
-        if value == setting:
-            return setting
+    for mode in MODE_SETTINGS:
+        if value == mode:
+            return mode
     raise ConfigError(f"mode: {value!r} is not one of {', '.join(MODE_SETTINGS)}")
 
 
@@ -51,17 +51,16 @@ RECOVERY_STEPS = ("retry_transfer", "reprefill", "local_prefill")
 class BreakerConfig:
     """The KV-path circuit breaker: when it trips, new requests run colocated."""
 
-    enabled: bool = field(
-        default=True,
-        metadata=flag(name="no-breaker", turns_off=True, help="never switch mode automatically"),
+    enabled: bool = setting(
+        True, name="no-breaker", turns_off=True, help="never switch mode automatically"
     )
     # Outcomes (KV handoffs) remembered, and the least needed before the breaker may trip.
-    window: int = field(default=20, metadata=flag())
-    min_samples: int = field(default=5, metadata=flag())
+    window: int = setting(20)
+    min_samples: int = setting(5)
     # Trip when failures / outcomes in the window reach this.
-    failure_rate: float = field(default=0.5, metadata=flag())
+    failure_rate: float = setting(0.5)
     # Seconds open before one disaggregated probe request is let through (half-open).
-    cooldown_s: float = field(default=10.0, metadata=flag())
+    cooldown_s: float = setting(10.0)
 
     def __post_init__(self) -> None:
         if self.window < 1 or not 1 <= self.min_samples <= self.window:
@@ -79,41 +78,35 @@ class BreakerConfig:
 class RecoveryConfig:
     """What the router does when a handoff fails, in order, each step budgeted."""
 
-    steps: tuple[str, ...] = field(
-        default=RECOVERY_STEPS,
-        metadata=flag(
-            name="recovery",
-            type=str,
-            to_field=lambda text: parse_recovery(text),
-            to_flag=",".join,
-            help=f"ordered steps from {','.join(RECOVERY_STEPS)}, or 'none'",
-        ),
+    steps: tuple[str, ...] = setting(
+        RECOVERY_STEPS,
+        name="recovery",
+        type=str,
+        to_field=lambda text: parse_recovery(text),
+        to_flag=",".join,
+        help=f"ordered steps from {','.join(RECOVERY_STEPS)}, or 'none'",
     )
     # Sends per transfer (first try included) when retry_transfer is on; 1 otherwise.
-    transfer_attempts: int = field(default=4, metadata=flag())
+    transfer_attempts: int = setting(4)
     # Extra prefills on other prefill workers (reprefill).
-    max_reprefills: int = field(default=1, metadata=flag())
+    max_reprefills: int = setting(1)
     # Other decode workers a stream may move to after the decode side died mid-stream.
-    max_migrations: int = field(default=2, metadata=flag())
+    max_migrations: int = setting(2)
     # When every decode worker refuses a reservation: wait up to this long for one (0: 503
     # at once), with at most `max_queued` requests waiting at a time.
-    queue_timeout_s: float = field(default=5.0, metadata=flag())
-    max_queued: int = field(default=64, metadata=flag())
+    queue_timeout_s: float = setting(5.0)
+    max_queued: int = setting(64)
     # Decode checkpoints (`pdserve/protocol/checkpoint_policy.py`): off, prompt or every-N; a holder
     # drops a request's copy this long after its writer stopped renewing.
-    checkpoint: str = field(
-        default="off",
-        metadata=flag(
-            help="decode checkpoints: off, prompt or every-N (replicate a decoding request's KV"
-            " every N filled blocks to another decode worker, so a migration resumes from it)"
-        ),
+    checkpoint: str = setting(
+        "off",
+        help="decode checkpoints: off, prompt or every-N (replicate a decoding request's KV"
+        " every N filled blocks to another decode worker, so a migration resumes from it)",
     )
-    checkpoint_lease_ttl_s: float = field(
-        default=10.0,
-        metadata=flag(
-            help="a holder drops a request's checkpoint this long after its decode worker stops"
-            " renewing"
-        ),
+    checkpoint_lease_ttl_s: float = setting(
+        10.0,
+        help="a holder drops a request's checkpoint this long after its decode worker stops"
+        " renewing",
     )
 
     def __post_init__(self) -> None:
@@ -158,27 +151,21 @@ class AffinityConfig:
 
     # "affinity": cost above plus sticky sessions; "load": least loaded only (prefix ignored);
     # "round_robin": rotate over candidates (a baseline for benchmarks).
-    routing: Routing = field(default="affinity", metadata=flag(choices=ROUTINGS))
+    routing: Routing = setting("affinity", choices=ROUTINGS)
     # Cost of one prompt block the worker does not hold in its prefix cache.
-    prefix_weight: float = field(
-        default=1.0, metadata=flag(help="cost of one prompt block the worker does not hold")
-    )
+    prefix_weight: float = setting(1.0, help="cost of one prompt block the worker does not hold")
     # Cost of one request already on the worker (running + waiting + router in-flight): by
     # default one more concurrent request weighs as much as 4 uncached blocks.
-    load_weight: float = field(
-        default=4.0, metadata=flag(help="cost of one request already on the worker")
-    )
+    load_weight: float = setting(4.0, help="cost of one request already on the worker")
     # A conversation whose decode worker already holds all but at most this many prompt
     # tokens is continued there with a local prefill of the suffix: no prefill worker, no KV
     # transfer (the idea of vLLM's kv_recompute_threshold). 0 turns it off.
-    local_prefill_threshold: int = field(
-        default=256,
-        metadata=flag(
-            help="uncached prompt tokens a decode worker holding the rest prefills itself (0: never)"
-        ),
+    local_prefill_threshold: int = setting(
+        256,
+        help="uncached prompt tokens a decode worker holding the rest prefills itself (0: never)",
     )
     # Sticky sessions remembered (least recently used forgotten first).
-    max_sessions: int = field(default=10_000, metadata=flag())
+    max_sessions: int = setting(10_000)
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
@@ -216,118 +203,97 @@ class RouterConfig:
     # Folder with the tokenizer and config.json; its name is the served model name.
     model: Path
     # "auto": start colocated and let `router/mode/auto_controller.py` split and rejoin the pool.
-    mode: ModeSetting = field(
-        default="disagg",
-        metadata=flag(
-            choices=MODE_SETTINGS,
-            help="auto: start colocated, split `both` workers into prefill and decode roles when"
-            " prefill breaks the TPOT SLO, rejoin them when the load falls or the breaker opens",
-        ),
+    mode: ModeSetting = setting(
+        "disagg",
+        choices=MODE_SETTINGS,
+        help="auto: start colocated, split `both` workers into prefill and decode roles when"
+        " prefill breaks the TPOT SLO, rejoin them when the load falls or the breaker opens",
     )
-    host: str = field(default="127.0.0.1", metadata=flag())
+    host: str = setting("127.0.0.1")
     # 0 picks a free port (reported through ready_file).
-    port: int = field(default=0, metadata=flag())
+    port: int = setting(0)
     # When set, /v1 and /admin need "Authorization: Bearer <api_key>".
-    api_key: str | None = field(default=None, metadata=flag(type=str))
-    ready_file: Path | None = field(default=None, metadata=flag(type=Path))
+    api_key: str | None = setting(None, type=str)
+    ready_file: Path | None = setting(None, type=Path)
     # Whole request, from received to the last token.
-    request_timeout_s: float = field(
-        default=600.0, metadata=flag(group="serving (OpenAI API)", help="per-request deadline")
+    request_timeout_s: float = setting(
+        600.0, group="serving (OpenAI API)", help="per-request deadline"
     )
     health_poll_interval_s: float = 1.0
     # A worker whose health polls have failed this long has its open streams and calls cut, so
     # they fail over now (a paused or hung worker never closes them). 0: never.
-    health_deadline_s: float = field(
-        default=3.0,
-        metadata=flag(
-            help="cut a worker's open streams once its health polls failed this long (0: never)"
-        ),
+    health_deadline_s: float = setting(
+        3.0, help="cut a worker's open streams once its health polls failed this long (0: never)"
     )
     # Recent requests whose timelines GET /debug/requests/{id} keeps (oldest evicted first).
-    timeline_ring: int = field(
-        default=1000,
-        metadata=flag(help="recent requests whose timelines /debug/requests/{id} keeps"),
+    timeline_ring: int = setting(
+        1000, help="recent requests whose timelines /debug/requests/{id} keeps"
     )
     # How long a decode reservation (and the prefill KV) waits for its transfer.
-    lease_ttl_s: float = field(
-        default=30.0,
-        metadata=flag(group="serving (OpenAI API)", help="decode reservation / prefill KV lease"),
+    lease_ttl_s: float = setting(
+        30.0, group="serving (OpenAI API)", help="decode reservation / prefill KV lease"
     )
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     affinity: AffinityConfig = field(default_factory=AffinityConfig)
     # Where workers register ("etcd://HOST:PORT[/PREFIX]"); None: the static `workers` list.
-    discovery: str | None = field(
-        default=None,
-        metadata=flag(
-            type=str,
-            metavar="etcd://HOST:PORT[/PREFIX]",
-            help="find workers registered in etcd instead of --worker URLs",
-        ),
+    discovery: str | None = setting(
+        None,
+        type=str,
+        metavar="etcd://HOST:PORT[/PREFIX]",
+        help="find workers registered in etcd instead of --worker URLs",
     )
     # Fault-injection rules at the router's sites (`pdserve.faults` syntax), tests only.
-    faults: tuple[str, ...] = field(
-        default=(),
-        metadata=flag(
-            name="fault",
-            action="append",
-            metavar="SPEC",
-            to_field=tuple,
-            help="tests only: inject SITE:ACTION[:key=value,...] at a router site (repeatable)",
-        ),
+    faults: tuple[str, ...] = setting(
+        (),
+        name="fault",
+        action="append",
+        metavar="SPEC",
+        to_field=tuple,
+        help="tests only: inject SITE:ACTION[:key=value,...] at a router site (repeatable)",
     )
-    fault_seed: int = field(default=0, metadata=flag(help="seed of the fault plan's draws"))
+    fault_seed: int = setting(0, help="seed of the fault plan's draws")
     # The cluster credential it signs every worker call and reservation with; None only with
     # `insecure_no_auth` (for workers started with --insecure-no-auth).
     cluster_secret: ClusterSecret | None = None
-    insecure_no_auth: bool = field(
-        default=False,
-        metadata=flag(
-            action="store_true",
-            group="security",
-            help="talk to workers started with --insecure-no-auth (no credential)",
-        ),
+    insecure_no_auth: bool = setting(
+        False,
+        action="store_true",
+        group="security",
+        help="talk to workers started with --insecure-no-auth (no credential)",
     )
     # Names clients may pass as `model` (the first is listed first); () -> the folder's name.
-    served_model_names: tuple[str, ...] = field(
-        default=(),
-        metadata=flag(
-            name="served-model-name",
-            nargs="+",
-            type=str,
-            metavar="NAME",
-            to_field=lambda names: tuple(names or ()),
-            to_flag=lambda names: None,
-            group="serving (OpenAI API)",
-            help="names clients pass as `model` (default: the model folder's name)",
-        ),
+    served_model_names: tuple[str, ...] = setting(
+        (),
+        name="served-model-name",
+        nargs="+",
+        type=str,
+        metavar="NAME",
+        to_field=lambda names: tuple(names or ()),
+        to_flag=lambda names: None,
+        group="serving (OpenAI API)",
+        help="names clients pass as `model` (default: the model folder's name)",
     )
     # Cap on prompt + output tokens; None -> the model's max_position_embeddings.
-    max_model_len: int | None = field(
-        default=None,
-        metadata=flag(
-            type=int,
-            group="serving (OpenAI API)",
-            help="longest prompt + output in tokens (default: the model's max_position_embeddings)",
-        ),
+    max_model_len: int | None = setting(
+        None,
+        type=int,
+        group="serving (OpenAI API)",
+        help="longest prompt + output in tokens (default: the model's max_position_embeddings)",
     )
     # A Jinja chat template (the text, or a file holding it) replacing the tokenizer's.
-    chat_template: str | None = field(
-        default=None,
-        metadata=flag(
-            type=str,
-            group="serving (OpenAI API)",
-            help="a Jinja chat template, or a file holding one, replacing the tokenizer's",
-        ),
+    chat_template: str | None = setting(
+        None,
+        type=str,
+        group="serving (OpenAI API)",
+        help="a Jinja chat template, or a file holding one, replacing the tokenizer's",
     )
     # Drop unknown top-level request fields (logged) instead of answering 400.
-    allow_unknown_fields: bool = field(
-        default=False,
-        metadata=flag(
-            action="store_true",
-            group="serving (OpenAI API)",
-            help="drop (and log) unknown request fields instead of answering 400",
-        ),
+    allow_unknown_fields: bool = setting(
+        False,
+        action="store_true",
+        group="serving (OpenAI API)",
+        help="drop (and log) unknown request fields instead of answering 400",
     )
     # The latency targets the router measures attainment against (and auto mode keeps).
     slo: SLOConfig = field(default_factory=SLOConfig)

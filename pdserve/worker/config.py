@@ -16,7 +16,7 @@ from pdserve.errors import ConfigError
 from pdserve.faults import parse_rules
 from pdserve.membership.codec import check_worker_id
 from pdserve.membership.uri import parse_discovery
-from pdserve.settings import flag
+from pdserve.settings import setting
 
 ROLES = ("prefill", "decode", "both")
 KV_TRANSPORTS = ("auto", "nixl", "shm", "tcp")
@@ -28,178 +28,144 @@ class WorkerConfig:
     """One worker process: its role, its endpoints and its engine."""
 
     # "prefill" serves /prefill, "decode" serves /reserve and /decode, "both" serves all.
-    role: str = field(default="both", metadata=flag(choices=ROLES))
-    host: str = field(default="127.0.0.1", metadata=flag())
+    role: str = setting("both", choices=ROLES)
+    host: str = setting("127.0.0.1")
     # HTTP control port; 0 picks a free one (reported through `ready_file`).
-    port: int = field(default=0, metadata=flag(help="HTTP port; 0 picks a free one"))
+    port: int = setting(0, help="HTTP port; 0 picks a free one")
     # KV transfer (TCP) port of a decode/both worker; 0 picks a free one.
-    kv_port: int = field(default=0, metadata=flag(help="KV transfer port; 0 picks one"))
+    kv_port: int = setting(0, help="KV transfer port; 0 picks one")
     # Name in health, metrics and error bodies; "" means "<role>-<pid>".
-    worker_id: str = field(default="", metadata=flag(help="default: <role>-<pid>"))
+    worker_id: str = setting("", help="default: <role>-<pid>")
     # Written atomically as {"url": ..., "pid": ...} once the HTTP server listens.
-    ready_file: Path | None = field(
-        default=None, metadata=flag(type=Path, help='write {"url","pid"} here')
-    )
+    ready_file: Path | None = setting(None, type=Path, help='write {"url","pid"} here')
     # Seconds between lease-expiry sweeps.
     reap_interval_s: float = 0.5
     engine: EngineConfig = field(default_factory=EngineConfig)
     # Deadline of each KV chunk send and reply: how fast a stalled link is noticed.
-    transfer_chunk_timeout_s: float = field(
-        default=2.0,
-        metadata=flag(
-            help="deadline of each KV chunk send and reply (a stalled link is noticed this fast)"
-        ),
+    transfer_chunk_timeout_s: float = setting(
+        2.0, help="deadline of each KV chunk send and reply (a stalled link is noticed this fast)"
     )
     # Fault-injection rules (`pdserve.faults` syntax), for tests only; () injects nothing.
-    faults: tuple[str, ...] = field(
-        default=(),
-        metadata=flag(
-            name="fault",
-            action="append",
-            metavar="SPEC",
-            to_field=tuple,
-            help="tests only: inject SITE:ACTION[:key=value,...] (repeatable)",
-        ),
+    faults: tuple[str, ...] = setting(
+        (),
+        name="fault",
+        action="append",
+        metavar="SPEC",
+        to_field=tuple,
+        help="tests only: inject SITE:ACTION[:key=value,...] (repeatable)",
     )
     # Seed of the fault plan's draws.
-    fault_seed: int = field(default=0, metadata=flag(help="seed of the fault plan's draws"))
+    fault_seed: int = setting(0, help="seed of the fault plan's draws")
     # Serve GET/POST/DELETE /admin/faults (replace the plan at run time); off: no such routes.
-    enable_fault_admin: bool = field(
-        default=False, metadata=flag(action="store_true", help="tests only: serve /admin/faults")
+    enable_fault_admin: bool = setting(
+        False, action="store_true", help="tests only: serve /admin/faults"
     )
     # Where to register for routers to find ("etcd://HOST:PORT[/PREFIX]"); None: not at all.
-    discovery: str | None = field(
-        default=None,
-        metadata=flag(
-            type=str,
-            metavar="etcd://HOST:PORT[/PREFIX]",
-            group="membership (several machines)",
-            help="register in etcd under a lease, for routers started with the same --discovery",
-        ),
+    discovery: str | None = setting(
+        None,
+        type=str,
+        metavar="etcd://HOST:PORT[/PREFIX]",
+        group="membership (several machines)",
+        help="register in etcd under a lease, for routers started with the same --discovery",
     )
     # The host others reach this worker at, registered in its URL; None: `host`. Needed when
     # `host` is a wildcard (0.0.0.0) or a name only this machine resolves.
-    advertise_host: str | None = field(
-        default=None,
-        metadata=flag(
-            type=str,
-            group="membership (several machines)",
-            help="host others reach this worker at (default: --host)",
-        ),
+    advertise_host: str | None = setting(
+        None,
+        type=str,
+        group="membership (several machines)",
+        help="host others reach this worker at (default: --host)",
     )
     # Seconds the registration outlives the last keep-alive: a worker that dies leaves the
     # routers' pools within this. Whole seconds (etcd leases are).
-    membership_ttl_s: int = field(
-        default=10,
-        metadata=flag(
-            group="membership (several machines)",
-            help="lease TTL: a dead worker leaves the routers' pools within this",
-        ),
+    membership_ttl_s: int = setting(
+        10,
+        group="membership (several machines)",
+        help="lease TTL: a dead worker leaves the routers' pools within this",
     )
     # Requests whose timeline events are kept for GET /debug/requests/{id} (oldest evicted).
-    timeline_ring: int = field(
-        default=1000,
-        metadata=flag(help="recent requests whose timeline events /debug/requests/{id} keeps"),
+    timeline_ring: int = setting(
+        1000, help="recent requests whose timeline events /debug/requests/{id} keeps"
     )
     # The cluster credential every control call and KV connection must prove; None only with
     # `insecure_no_auth` (a loud, explicit opt-out for experiments on one machine).
     cluster_secret: ClusterSecret | None = None
-    insecure_no_auth: bool = field(
-        default=False,
-        metadata=flag(
-            action="store_true",
-            group="security and admission",
-            help="serve without a cluster secret (anyone who reaches the ports may call them)",
-        ),
+    insecure_no_auth: bool = setting(
+        False,
+        action="store_true",
+        group="security and admission",
+        help="serve without a cluster secret (anyone who reaches the ports may call them)",
     )
     # Check received KV by value before the first decode token (the canary), and send the
     # prefill side's digest with every transfer.
-    kv_canary: bool = field(
-        default=True,
-        metadata=flag(
-            group="KV transfer",
-            help="check received KV by value before the first token (and send the digest)",
-        ),
+    kv_canary: bool = setting(
+        True,
+        group="KV transfer",
+        help="check received KV by value before the first token (and send the digest)",
     )
     # Requests admitted into the engine beyond the `max_num_seqs` it runs at once; past it
     # /generate and /prefill answer 503 Overloaded with Retry-After instead of queueing
     # without bound.
-    max_waiting: int = field(
-        default=256,
-        metadata=flag(
-            group="security and admission",
-            help="requests waiting in the engine before new ones get 503 + Retry-After",
-        ),
+    max_waiting: int = setting(
+        256,
+        group="security and admission",
+        help="requests waiting in the engine before new ones get 503 + Retry-After",
     )
     # KV data per frame (bytes); a larger block travels as several frames.
-    kv_frame_bytes: int = field(
-        default=4 << 20,
-        metadata=flag(
-            group="KV transfer", help="KV data per frame; a larger block travels as several frames"
-        ),
+    kv_frame_bytes: int = setting(
+        4 << 20,
+        group="KV transfer",
+        help="KV data per frame; a larger block travels as several frames",
     )
     # Which KV transports to serve and use: "auto" (NIXL when installed, shared memory on one
     # host, TCP) or one of them explicitly (an error at start if it cannot be used).
-    kv_transport: str = field(
-        default="auto",
-        metadata=flag(
-            choices=KV_TRANSPORTS,
-            group="KV transfer",
-            help="auto: NIXL when installed, shared memory on one host, else TCP (fallbacks are"
-            " logged and counted); an explicit one is required of both sides",
-        ),
+    kv_transport: str = setting(
+        "auto",
+        choices=KV_TRANSPORTS,
+        group="KV transfer",
+        help="auto: NIXL when installed, shared memory on one host, else TCP (fallbacks are"
+        " logged and counted); an explicit one is required of both sides",
     )
     # KV receiver: a connection must say Hello within this; at most this many at once.
-    kv_handshake_timeout_s: float = field(
-        default=5.0,
-        metadata=flag(group="KV transfer", help="a KV connection must say Hello within this"),
+    kv_handshake_timeout_s: float = setting(
+        5.0, group="KV transfer", help="a KV connection must say Hello within this"
     )
-    kv_max_connections: int = field(
-        default=64, metadata=flag(group="KV transfer", help="KV connections served at once")
-    )
+    kv_max_connections: int = setting(64, group="KV transfer", help="KV connections served at once")
     # Host memory (MiB) this decode worker lends as a checkpoint holder to other decode
     # workers' requests (`pdserve/checkpoint/`); 0: it holds none.
-    checkpoint_capacity_mb: int = field(
-        default=256,
-        metadata=flag(
-            group="KV transfer",
-            help="host memory lent to other decode workers' checkpoints (decode roles; 0: none)",
-        ),
+    checkpoint_capacity_mb: int = setting(
+        256,
+        group="KV transfer",
+        help="host memory lent to other decode workers' checkpoints (decode roles; 0: none)",
     )
     # Each checkpoint put carries the value digest of its last position (a one-token forward
     # per put on the decode worker), and a resume here uses only checkpoints that can be
     # checked by value. Off: a resume checks by value only where a digest exists.
-    checkpoint_canary: bool = field(
-        default=False,
-        metadata=flag(
-            group="KV transfer",
-            help="send a value digest with every checkpoint put (one extra one-token forward per"
-            " put) and resume only from checkpoints checked by value",
-        ),
+    checkpoint_canary: bool = setting(
+        False,
+        group="KV transfer",
+        help="send a value digest with every checkpoint put (one extra one-token forward per"
+        " put) and resume only from checkpoints checked by value",
     )
     # With `kv_transport` auto, checkpoint puts of at most this many KiB go over TCP: a put
     # of a few blocks costs 1.5-3x the CPU over shm or NIXL (their slot and agent bookkeeping
     # per message), and it competes with decode steps for the same cores. 0: puts use the
     # handoffs' transport. An explicit --kv-transport always wins.
-    checkpoint_small_put_kib: int = field(
-        default=2048,
-        metadata=flag(
-            group="KV transfer",
-            help="with --kv-transport auto, checkpoint puts of at most this many KiB go over TCP"
-            " (cheaper per message than shm or NIXL); 0: the handoffs' transport",
-        ),
+    checkpoint_small_put_kib: int = setting(
+        2048,
+        group="KV transfer",
+        help="with --kv-transport auto, checkpoint puts of at most this many KiB go over TCP"
+        " (cheaper per message than shm or NIXL); 0: the handoffs' transport",
     )
     # Puts that go over TCP ride one long-lived replication link per holder (a handshake
     # per connection, then one frame and one reply per put) instead of an HTTP reservation
     # and a transfer session each (`worker/checkpoint/link.py`). Off: a session per put.
-    checkpoint_links: bool = field(
-        default=True,
-        metadata=flag(
-            group="KV transfer",
-            help="send checkpoint puts that go over TCP on one long-lived link per holder (one"
-            " frame and one reply per put); --no-checkpoint-links: an HTTP call and a transfer"
-            " session per put",
-        ),
+    checkpoint_links: bool = setting(
+        True,
+        group="KV transfer",
+        help="send checkpoint puts that go over TCP on one long-lived link per holder (one"
+        " frame and one reply per put); --no-checkpoint-links: an HTTP call and a transfer"
+        " session per put",
     )
 
     def __post_init__(self) -> None:

@@ -50,11 +50,11 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from pdserve.errors import ConfigError
 from pdserve.router.mode.interference import LiveFigures, SLOConfig
-from pdserve.settings import flag
+from pdserve.settings import setting
 
 
 class Action(enum.Enum):
@@ -99,43 +99,32 @@ class BreakerHealth(enum.Enum):
 class AutoConfig:
     """Thresholds and hysteresis of the automatic mode."""
 
-    interval_s: float = field(default=1.0, metadata=flag())
+    interval_s: float = setting(1.0)
     # The live window the figures cover (router/mode/interference.py).
-    window_s: float = field(
-        default=10.0,
-        metadata=flag(
-            help="seconds of live figures each decision (and the attainment gauges) covers"
-        ),
+    window_s: float = setting(
+        10.0, help="seconds of live figures each decision (and the attainment gauges) covers"
     )
     # No change within this long of the previous one (the breaker's colocate excepted).
-    min_dwell_s: float = field(
-        default=15.0,
-        metadata=flag(help="no change of mode or ratio within this long of the previous one"),
+    min_dwell_s: float = setting(
+        15.0, help="no change of mode or ratio within this long of the previous one"
     )
     # Consecutive evaluations that must propose the same change before it is made.
-    sustain: int = field(
-        default=3,
-        metadata=flag(help="consecutive evaluations that must propose the same change"),
-    )
+    sustain: int = setting(3, help="consecutive evaluations that must propose the same change")
     # Requests ended in the window before attainment is trusted.
-    min_requests: int = field(default=8, metadata=flag())
+    min_requests: int = setting(8)
     # Decode tokens without prefill before "decode alone meets the TPOT SLO" is trusted.
     min_decode_tokens: int = 10
     # Fraction of TPOT misses that must have shared a step with prefill to blame prefill.
     interfered_share: float = 0.5
     # Attainment (fraction of requests meeting an SLO) below which the SLO counts as broken.
-    target_attainment: float = field(default=0.9, metadata=flag())
+    target_attainment: float = setting(0.9)
     # Back to colocated when prompt tokens/s fall below this fraction of the split's.
-    low_water: float = field(
-        default=0.5,
-        metadata=flag(
-            help="back to colocated below this fraction of the prompt tokens/s at the split"
-        ),
+    low_water: float = setting(
+        0.5, help="back to colocated below this fraction of the prompt tokens/s at the split"
     )
     # After a split was undone for not helping, no new split for this long.
-    split_backoff_s: float = field(
-        default=120.0,
-        metadata=flag(help="after a split was undone for not helping, no new split for this long"),
+    split_backoff_s: float = setting(
+        120.0, help="after a split was undone for not helping, no new split for this long"
     )
 
     def __post_init__(self) -> None:

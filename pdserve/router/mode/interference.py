@@ -25,12 +25,12 @@ from __future__ import annotations
 import enum
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pdserve.errors import ConfigError
 from pdserve.observability.stats import percentile
-from pdserve.settings import flag
+from pdserve.settings import setting
 
 if TYPE_CHECKING:
     # Type only: the protocol module pulls in torch, and `router.flags` (light) imports this.
@@ -49,12 +49,8 @@ def _millis(seconds: float) -> float:
 class SLOConfig:
     """The latency targets a request must meet (seconds)."""
 
-    ttft_s: float = field(
-        default=1.0, metadata=flag(name="slo-ttft-ms", to_field=_seconds, to_flag=_millis)
-    )
-    tpot_s: float = field(
-        default=0.05, metadata=flag(name="slo-tpot-ms", to_field=_seconds, to_flag=_millis)
-    )
+    ttft_s: float = setting(1.0, name="slo-ttft-ms", to_field=_seconds, to_flag=_millis)
+    tpot_s: float = setting(0.05, name="slo-tpot-ms", to_field=_seconds, to_flag=_millis)
 
     def __post_init__(self) -> None:
         for name, value in (("--slo-ttft-ms", self.ttft_s), ("--slo-tpot-ms", self.tpot_s)):
