@@ -146,7 +146,7 @@ def post_json(url: str, body: object, timeout_s: float = 60.0) -> tuple[int, dic
 
 def complete(router_url: str, max_tokens: int = 6) -> tuple[int, dict[str, object]]:
     """A greedy completion through the router."""
-    body = {"model": "tiny-v1", "prompt": "Once upon a time", "max_tokens": max_tokens,
+    body = {"model": "tiny-v2", "prompt": "Once upon a time", "max_tokens": max_tokens,
             "temperature": 0}  # fmt: skip
     return post_json(f"{router_url}/v1/completions", body)
 

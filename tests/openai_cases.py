@@ -14,7 +14,7 @@ from typing import Any
 
 import openai
 
-MODEL = "tiny-v1"
+MODEL = "tiny-v2"
 
 SCHEMA = {
     "type": "object",

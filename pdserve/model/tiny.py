@@ -33,7 +33,7 @@ from pdserve.model.config import parse_config
 if TYPE_CHECKING:
     import torch
 
-TINY_VERSION = 1
+TINY_VERSION = 2
 DEFAULT_SEED = 0
 BOS, EOS = "<s>", "</s>"
 TINY_CONFIG: dict[str, Any] = {
@@ -57,11 +57,22 @@ TINY_CONFIG: dict[str, Any] = {
     "eos_token_id": 1,
     "torch_dtype": "float32",
 }
-# Role markers in plain text: the BPE learns them as ordinary pieces.
+# Role markers in plain text: the BPE learns them as ordinary pieces. Tools (transformers'
+# `tools=`) and calls are written Hermes-style, `<tool_call>` JSON `</tool_call>`, which the
+# router's default --tool-call-parser reads; messages without tools render as before.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}<|system|>\nYou may call these functions. To call one, answer with"
+    ' <tool_call>\n{"name": <name>, "arguments": <arguments>}\n</tool_call>\n'
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "{{ eos_token }}\n{% endif %}"
     "{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "<|{{ message['role'] }}|>\n{% if message['content'] %}{{ message['content'] }}{% endif %}"
+    "{% for call in message['tool_calls'] or [] %}"
+    '<tool_call>\n{"name": {{ call[\'function\'][\'name\'] | tojson }}, "arguments": '
+    "{{ call['function']['arguments'] | tojson }}}\n</tool_call>"
+    "{% endfor %}"
+    "{{ eos_token }}\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )

@@ -110,6 +110,9 @@ class Tokenizer:
             raise ModelConfigError(TOKENIZER_CONFIG_FILE, "chat_template", "no chat template")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_template_error
+        # Templates written for transformers expect its `tojson` (no HTML escaping of < > &,
+        # non-ASCII kept), not Jinja's.
+        env.filters["tojson"] = _tojson
         try:
             template = env.from_string(self.chat_template)
             return template.render(
@@ -123,10 +126,15 @@ class Tokenizer:
             raise ModelConfigError(TOKENIZER_CONFIG_FILE, "chat_template", str(exc)) from exc
 
     def encode_chat(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
-        """Token ids of the rendered chat prompt (the template supplies any BOS)."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        """Token ids of the rendered chat prompt (the template supplies any BOS); `tools` as
+        transformers passes them (`{"type": "function", "function": {...}}` each)."""
+        extra = {"tools": list(tools)} if tools else {}
+        text = self.apply_chat_template(messages, add_generation_prompt, **extra)
         return self.encode(text, add_special_tokens=False)
 
     def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
@@ -203,6 +211,12 @@ def _digest(tokenizer_json: bytes, config: dict[str, Any], template: str | None)
     if template is not None:
         hasher.update(template.encode())
     return hasher.hexdigest()
+
+
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, sort_keys: bool = False
+) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, sort_keys=sort_keys)
 
 
 def _raise_template_error(message: str) -> None:

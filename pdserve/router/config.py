@@ -15,6 +15,7 @@ from pdserve.protocol.worker_api import MAX_LEASE_TTL_S, MAX_WAIT_S
 from pdserve.router.mode.auto_mode import AutoConfig
 from pdserve.router.mode.interference import SLOConfig
 from pdserve.settings import flag, setting
+from pdserve.tools.formats import FORMATS
 
 # The path a request takes; fixed when it begins.
 Mode = Literal["disagg", "colocated"]
@@ -294,6 +295,14 @@ class RouterConfig:
         action="store_true",
         group="serving (OpenAI API)",
         help="drop (and log) unknown request fields instead of answering 400",
+    )
+    # How tool calls look in the model's output: read from `tool_choice: auto` answers, and
+    # written by the grammar that forces `required` and named choices.
+    tool_call_parser: str = setting(
+        "hermes",
+        choices=tuple(FORMATS),
+        group="serving (OpenAI API)",
+        help="the model's tool-call format: hermes (<tool_call> tags) or llama3_json",
     )
     # The latency targets the router measures attainment against (and auto mode keeps).
     slo: SLOConfig = field(default_factory=SLOConfig)

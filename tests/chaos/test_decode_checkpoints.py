@@ -33,7 +33,7 @@ PAUSE_CHECKPOINT_TTL_S = 8.0
 HEALTH_DEADLINE_S = 1.0
 # A prompt of a few blocks, then a long generation: the kill comes mid-decode.
 PROMPT = "Once upon a time " * 12
-BODY = {"model": "tiny-v1", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
+BODY = {"model": "tiny-v2", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
 
 
 def _cluster(
@@ -388,7 +388,7 @@ def test_the_official_openai_client_sees_the_same_chat_across_a_checkpointed_res
     decodes = [h for h in handles if h.role == "decode"]
     api = client(url)
     kwargs = {
-        "model": "tiny-v1",
+        "model": "tiny-v2",
         "messages": [{"role": "user", "content": PROMPT}],
         "max_tokens": 300,
         "temperature": 0.8,

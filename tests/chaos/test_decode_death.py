@@ -69,7 +69,7 @@ def test_kill_decode_mid_stream_loses_and_repeats_nothing(
 ) -> None:
     url, handles = cluster
     alive = [h for h in handles if h.role == "both"]
-    body = {"model": "tiny-v1", "prompt": "Once upon a time", "max_tokens": 160,
+    body = {"model": "tiny-v2", "prompt": "Once upon a time", "max_tokens": 160,
             "ignore_eos": True, **sampling}  # fmt: skip
     reference, ref_finish = stream_tokens(url, body)
     assert ref_finish == "length"

@@ -43,7 +43,7 @@ def test_a_paused_decode_worker_is_drained_and_its_stream_migrates(
 ) -> None:
     url, handles = cluster
     decodes = [h for h in handles if h.role == "both"]
-    body = {"model": "tiny-v1", "prompt": "Once upon a time", "max_tokens": 120,
+    body = {"model": "tiny-v2", "prompt": "Once upon a time", "max_tokens": 120,
             "ignore_eos": True, "temperature": 0.9, "seed": 11}  # fmt: skip
     reference, _ = stream_tokens(url, body)
     paused: list[WorkerHandle] = []

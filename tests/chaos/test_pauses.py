@@ -153,7 +153,7 @@ def test_a_prefill_worker_paused_again_and_again_costs_no_request(
         args = ["--lease-ttl-s", "1", "--local-prefill-threshold", "0"]
         with router_process(tmp_path, tiny_model_path, [h.url for h in handles], extra_args=args) as url:  # fmt: skip
             with pausing([handles[0].pid], (1.0, 2.5), (0.3, 1.0), seed=14) as pauses:
-                results = run_load(url, "tiny-v1", work, time.monotonic() + 15, threads=2)
+                results = run_load(url, "tiny-v2", work, time.monotonic() + 15, threads=2)
             assert len(pauses) >= 4
             statuses = [s for s, _ in results]
             assert 500 not in statuses

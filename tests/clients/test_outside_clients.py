@@ -5,7 +5,7 @@ completions, every request succeeding.
 The clients live in their own venvs (`make client-venvs`: .venv-clients/{guidellm,aiperf}),
 never in pdserve's. Offline: guidellm reads the tiny model's tokenizer folder; aiperf's offline
 mode only resolves Hugging Face cache entries, so the folder is laid out as one
-(hub/models--pdserve--tiny-v1/snapshots/<rev>). `make test` sets PDSERVE_REQUIRE_CLIENTS=1:
+(hub/models--pdserve--tiny-v2/snapshots/<rev>). `make test` sets PDSERVE_REQUIRE_CLIENTS=1:
 there a missing venv fails the test instead of skipping it.
 
 The cluster is started with a `--config` YAML file (served model names, engine and routing
@@ -97,14 +97,14 @@ def up(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 def hf_cache_with(tokenizer_dir: Path, home: Path) -> str:
     """Lay `tokenizer_dir` out as a Hugging Face cache entry under `home`; its repo id."""
     rev = "0" * 40
-    entry = home / "hub" / "models--pdserve--tiny-v1"
+    entry = home / "hub" / "models--pdserve--tiny-v2"
     snapshot = entry / "snapshots" / rev
     snapshot.mkdir(parents=True, exist_ok=True)
     (entry / "refs").mkdir(exist_ok=True)
     (entry / "refs" / "main").write_text(rev)
     for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
         shutil.copy(tokenizer_dir / name, snapshot / name)
-    return "pdserve/tiny-v1"
+    return "pdserve/tiny-v2"
 
 
 def offline_env(home: Path) -> dict[str, str]:

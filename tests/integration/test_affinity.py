@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from worker_proc import WorkerHandle, launch_worker, router_process, wait_ready, worker_processes
 
-MODEL = "tiny-v1"
+MODEL = "tiny-v2"
 BS = 16  # the workers' default KV block size
 OUT = 8  # output tokens per turn
 # Uncached prompt tokens up to which the holder prefills a suffix itself.

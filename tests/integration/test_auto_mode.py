@@ -124,7 +124,7 @@ class Load:
     ) -> None:
         while not until.is_set():
             prompt = [self.rng.randrange(40, 2000) for _ in range(shape[0])]
-            body = {"model": "tiny-v1", "prompt": prompt, "max_tokens": shape[1],
+            body = {"model": "tiny-v2", "prompt": prompt, "max_tokens": shape[1],
                     "temperature": 0, "ignore_eos": True}  # fmt: skip
             task = asyncio.create_task(stream_completion(session, self.router_url, body))
             self.sent.append((prompt, shape[1], task))

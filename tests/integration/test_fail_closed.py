@@ -220,7 +220,7 @@ def test_kv_that_fails_its_canary_is_never_served(
     before = total(metrics(decode.url), "pdserve_worker_kv_canary_total", result="mismatch")
     assert signed_post(f"{target.url}/admin/faults", {"rules": [rule]})[0] == 200
     try:
-        body = {"model": "tiny-v1", "prompt": prompt, **GREEDY, "return_token_ids": True}
+        body = {"model": "tiny-v2", "prompt": prompt, **GREEDY, "return_token_ids": True}
         status, raw, _ = http(f"{router_over_pair}/v1/completions", body)
     finally:
         signed_post(f"{target.url}/admin/faults", {"rules": []})
@@ -264,7 +264,7 @@ def test_colocated_admission_is_bounded_with_503_and_retry_after(
     results: list[tuple[int, dict[str, str]]] = []
 
     def one(i: int) -> None:
-        body = {"model": "tiny-v1", "prompt": prompt_of(300, 100 + i), "max_tokens": 4}
+        body = {"model": "tiny-v2", "prompt": prompt_of(300, 100 + i), "max_tokens": 4}
         status, _, headers = http(f"{url}/v1/completions", body, timeout=120)
         results.append((status, headers))
 
@@ -286,7 +286,7 @@ def test_a_stream_that_fails_after_its_headers_ends_with_an_error_event_and_done
     rule = "worker.decode_tokens:close:after=3"
     assert signed_post(f"{worker.url}/admin/faults", {"rules": [rule]})[0] == 200
     try:
-        body = {"model": "tiny-v1", "prompt": "hello", "max_tokens": 20, "stream": True}
+        body = {"model": "tiny-v2", "prompt": "hello", "max_tokens": 20, "stream": True}
         status, raw, _ = http(f"{url}/v1/completions", body)
     finally:
         signed_post(f"{worker.url}/admin/faults", {"rules": []})
@@ -302,7 +302,7 @@ def test_a_client_that_leaves_a_non_streamed_request_cancels_it_on_the_worker(
     colocated: tuple[WorkerHandle, str],
 ) -> None:
     worker, url = colocated
-    body = {"model": "tiny-v1", "prompt": "bye", "max_tokens": 1500, "ignore_eos": True}
+    body = {"model": "tiny-v2", "prompt": "bye", "max_tokens": 1500, "ignore_eos": True}
     started = time.monotonic()
     with pytest.raises((TimeoutError, urllib.error.URLError)):
         http(f"{url}/v1/completions", body, timeout=1.0)  # gives up and closes the connection

@@ -82,7 +82,7 @@ def wait_ready_at(handle: Proc, host: str, timeout_s: float = 90.0) -> Proc:
 def complete(router_url: str, i: int, max_tokens: int = 4) -> tuple[int, dict[str, object]]:
     """A greedy completion; a prompt under one KV block, so its KV always travels (a prefix
     cache hit on the decode worker cannot skip the transfer)."""
-    body = {"model": "tiny-v1", "prompt": f"Once upon a time {i}", "max_tokens": max_tokens,
+    body = {"model": "tiny-v2", "prompt": f"Once upon a time {i}", "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True}  # fmt: skip
     return post_json(f"{router_url}/v1/completions", body)
 

@@ -22,7 +22,7 @@ from worker_proc import WorkerHandle, launch_worker, router_process, wait_ready,
 from pdserve.observability.exposition import Sample, parse, total
 from pdserve.observability.metric_names import SERIES
 
-MODEL = "tiny-v1"
+MODEL = "tiny-v2"
 
 
 @dataclass(frozen=True)

@@ -108,15 +108,15 @@ def test_client_errors_are_openai_errors(cluster: tuple[str, str]) -> None:
     api = client(plain)
     with pytest.raises(openai.BadRequestError) as info:
         api.chat.completions.create(
-            model="tiny-v1",
+            model="tiny-v2",
             messages=[{"role": "user", "content": "x"}],
             response_format={"type": "json_schema",
                              "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}},
         )  # fmt: skip
     assert info.value.body["param"] == "response_format"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as info:
-        api.completions.create(model="tiny-v1", prompt="x", suffix="y")
+        api.completions.create(model="tiny-v2", prompt="x", suffix="y")
     assert info.value.body["param"] == "suffix"  # type: ignore[index]
     models = api.models.list()
-    assert [m.id for m in models.data] == ["tiny-v1"]
+    assert [m.id for m in models.data] == ["tiny-v2"]
     assert get(f"{plain}/version")["version"]

@@ -19,7 +19,7 @@ from worker_proc import launch_worker, router_process, wait_ready, worker_proces
 
 from pdserve.router.api import sse
 
-MODEL = "tiny-v1"
+MODEL = "tiny-v2"
 
 
 def post(url: str, body: object) -> tuple[int, bytes]:

@@ -27,7 +27,7 @@ from pdserve.protocol.worker_observe import KVEventsRequest
 from pdserve.router.placement.prefix_index import PrefixIndex
 from pdserve.router.workers.client import ClientTimeouts, WorkerClient
 
-MODEL = "tiny-v1"
+MODEL = "tiny-v2"
 BLOCK_BYTES = 64 * 1024  # one block of the tiny model, every layer
 ROUTER_ARGS = ("--routing", "affinity", "--local-prefill-threshold", "64")
 

@@ -23,8 +23,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import secrets
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import xxhash
 
@@ -37,6 +38,12 @@ from pdserve.router.flows import progress
 from pdserve.router.flows.dispatcher import Dispatcher
 from pdserve.router.flows.flow import Flow, FlowRequest
 from pdserve.text.output import OutputStream
+from pdserve.tools.parser import ToolCallDelta, ToolCallParser
+
+
+def call_id() -> str:
+    """A new tool call's id (OpenAI's form: `call_` and 24 random characters)."""
+    return f"call_{secrets.token_hex(12)}"
 
 
 def choice_seed(seed: int, sample: int) -> int:
@@ -60,6 +67,8 @@ class Piece:
     logprobs: list[LogprobModel]
     # Where each accepted token's text starts in the choice's output text.
     text_offsets: list[int]
+    # Pieces of tool calls (chat with tools); `text` is then the content only.
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -104,7 +113,8 @@ def start(
             )
             request = FlowRequest(rid, prompt.token_ids, sampling, timeline, session_id, deadline)
             index = i * job.n + j if job.best_of == job.n else k
-            runs.append(ChoiceRun(flow, request, ChoiceResult(index, prompt, output)))
+            parser = None if job.tool_format is None else ToolCallParser(job.tool_format, call_id)
+            runs.append(ChoiceRun(flow, request, ChoiceResult(index, prompt, output, parser)))
     return runs
 
 
@@ -124,14 +134,15 @@ async def _choice_pieces(run: ChoiceRun) -> AsyncGenerator[Piece, None]:
                 # the flow after this releases the worker's copy without a failure record.
                 progress.finished(timeline, f"router: {output.finish_reason}")
             logprobs = (chunk.logprobs or [])[: len(accepted)]
-            result.text += text
+            delta = result.add_text(text)
             result.logprobs.extend(logprobs)
             if chunk.prompt_logprobs is not None and result.prompt_logprobs is None:
                 result.prompt_logprobs = chunk.prompt_logprobs
             if chunk.num_cached_tokens is not None and result.num_cached_tokens is None:
                 result.num_cached_tokens = chunk.num_cached_tokens
             offsets = output.text_offsets[before:]
-            yield Piece(result.index, text, output.finish_reason, accepted, logprobs, offsets)
+            yield Piece(result.index, delta.content, result.finish_reason, accepted, logprobs,
+                        offsets, delta.calls)  # fmt: skip
             if output.finished:
                 return
     raise RouterError(f"request {freq.request_id}: the flow ended without finishing")

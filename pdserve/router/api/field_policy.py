@@ -3,8 +3,8 @@
 Checked on the raw JSON object before validation, so the answer names the field:
 - a field the endpoint's model declares is validated by the model;
 - an OpenAI field pdserve does not implement is refused (400, `param` = the field) unless its
-  value is one that changes nothing (e.g. `tools: []`, `tool_choice: "none"`,
-  `modalities: ["text"]`); then it is dropped;
+  value is one that changes nothing (e.g. `functions: []`, `modalities: ["text"]`); then it
+  is dropped;
 - bookkeeping fields with no effect on the output (`store: false`, `metadata`,
   `service_tier`) are dropped;
 - any other field is unknown: 400 naming it, or dropped (and logged) when the router runs with
@@ -46,12 +46,9 @@ def _any(value: Any) -> bool:
 
 
 _COMMON: dict[str, _Rule] = {
-    "tools": _Rule(_none_or_empty, "tool calling is not implemented"),
-    "tool_choice": _Rule(lambda v: v in (None, "none"), "tool calling is not implemented"),
-    "functions": _Rule(_none_or_empty, "function calling is not implemented"),
-    "function_call": _Rule(lambda v: v in (None, "none"), "function calling is not implemented"),
-    # Only meaningful with tools, which are refused above.
-    "parallel_tool_calls": _Rule(_any, ""),
+    # The deprecated forms of `tools` and `tool_choice`.
+    "functions": _Rule(_none_or_empty, "use tools, which replaced functions"),
+    "function_call": _Rule(lambda v: v in (None, "none"), "use tool_choice"),
     "audio": _Rule(_none, "audio output is not implemented"),
     "modalities": _Rule(lambda v: v in (None, ["text"]), "only text output is implemented"),
     "prediction": _Rule(_none, "predicted outputs are not implemented"),
@@ -64,6 +61,9 @@ _COMMON: dict[str, _Rule] = {
 }
 _COMPLETION_ONLY: dict[str, _Rule] = {
     "suffix": _Rule(_none_or_empty, "insertion (suffix) is not implemented"),
+    "tools": _Rule(_none_or_empty, "tool calling is served by /v1/chat/completions"),
+    "tool_choice": _Rule(lambda v: v in (None, "none"), "tool calling is served by chat"),
+    "parallel_tool_calls": _Rule(_any, ""),
 }
 _CHAT_ONLY: dict[str, _Rule] = {
     "echo": _Rule(lambda v: v in (None, False), "echo is implemented for /v1/completions only"),

@@ -128,12 +128,32 @@ class ContentPart(_Request):
     text: str | None = None
 
 
+class FunctionCall(_Request):
+    """A call's function: its name and its arguments as a JSON string."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(_Request):
+    """A tool call an assistant message made (sent back in the conversation)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     """One message of a chat; content is text or a list of text parts."""
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # Assistant messages: the calls it made; tool messages: the call this result answers.
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    # Sent back by clients as the assistant answered it; carries nothing to render.
+    refusal: str | None = None
 
     def text(self) -> str | None:
         """The content as one string: text parts joined by newlines (as vLLM's string
@@ -142,6 +162,36 @@ class ChatMessage(_Request):
         if self.content is None or isinstance(self.content, str):
             return self.content
         return "\n".join(p.text or "" for p in self.content)
+
+
+class FunctionDefinition(_Request):
+    """A function tool: its name, what it does, and its parameters as a JSON schema."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    # pdserve follows the schema exactly whenever a call is forced; `strict` changes nothing.
+    strict: bool | None = None
+
+
+class ToolDefinition(_Request):
+    """One entry of `tools` (function tools only, as in OpenAI's chat API)."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    """`tool_choice.function`."""
+
+    name: str
+
+
+class NamedToolChoice(_Request):
+    """`tool_choice` naming the one function the model must call."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -155,6 +205,10 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     # Extension: end the prompt with the assistant turn's opening (the template's).
     add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = None
+    # Default: "auto" with tools, "none" without.
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class PromptTokensDetails(BaseModel):
@@ -228,11 +282,43 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class FunctionCallOut(BaseModel):
+    """A call's function in an answer."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    """One tool call of a whole chat completion."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
-    """The assistant's message of a whole chat completion."""
+    """The assistant's message of a whole chat completion (content None when it only calls)."""
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = Field(default=None, exclude_if=lambda v: v is None)
+
+
+class FunctionDeltaOut(BaseModel):
+    """A piece of a call's function: the whole name on its first piece, then arguments."""
+
+    name: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    arguments: str
+
+
+class ToolCallDeltaOut(BaseModel):
+    """A piece of tool call `index`; its first carries the id and type, as OpenAI streams."""
+
+    index: int
+    id: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    type: Literal["function"] | None = Field(default=None, exclude_if=lambda v: v is None)
+    function: FunctionDeltaOut
 
 
 class ChatChoice(BaseModel):
@@ -257,10 +343,11 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ChatDelta(BaseModel):
-    """What a chat chunk adds: the role on the first chunk, then content."""
+    """What a chat chunk adds: the role on the first chunk, then content and calls."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDeltaOut] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatChunkChoice(BaseModel):

@@ -41,6 +41,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.flows import progress
 from pdserve.router.flows.dispatcher import Dispatcher
 from pdserve.router.metrics import RouterMetrics
+from pdserve.tools.formats import FORMATS
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class OpenAIApi:
                 model_names=config.accepted_model_names,
                 max_model_len=max_model_len,
                 allow_unknown_fields=config.allow_unknown_fields,
+                tool_format=FORMATS[config.tool_call_parser],
             ),
             tokenizer,
         )
@@ -168,6 +170,7 @@ class OpenAIApi:
                         await resp.write(sse.encode_event(body))
                 if (
                     piece.text
+                    or piece.tool_calls
                     or piece.finish_reason is not None
                     or (job.body.return_token_ids and piece.token_ids)
                     or (job.top_logprobs is not None and piece.token_ids)
@@ -183,7 +186,7 @@ class OpenAIApi:
                         else None
                     )
                     body = responses.chunk(job, piece.index, piece.text, piece.finish_reason,
-                                           piece.token_ids, lp, so_far)  # fmt: skip
+                                           piece.token_ids, lp, so_far, piece.tool_calls)  # fmt: skip
                     await resp.write(sse.encode_event(body))
                 async with asyncio.timeout_at(deadline):
                     piece = await anext(pieces, None)

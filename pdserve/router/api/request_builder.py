@@ -40,6 +40,9 @@ from pdserve.router.api.openai_models import (
     SamplingFields,
 )
 from pdserve.router.api.responses import Job, PromptInput
+from pdserve.router.api.tool_request import ToolGrammars, tool_request
+from pdserve.tools.formats import HERMES, ToolFormat
+from pdserve.tools.messages import template_messages
 
 # Choices one request may ask for (n, or best_of), and prompts one request may carry.
 MAX_CHOICES = 64
@@ -58,6 +61,8 @@ class BuilderConfig:
     max_model_len: int
     # Drop unknown top-level fields instead of refusing them (--allow-unknown-fields).
     allow_unknown_fields: bool = False
+    # The shape of tool calls in this model's output (--tool-call-parser).
+    tool_format: ToolFormat = HERMES
 
 
 class RequestBuilder:
@@ -69,6 +74,7 @@ class RequestBuilder:
         self._grammars = GrammarCompiler(
             tokenizer.to_json, tokenizer.vocab_size, tokenizer.eos_token_ids
         )
+        self._tool_grammars = ToolGrammars(self._grammars, config.tool_format)
 
     def completion(self, data: dict[str, Any]) -> Job:
         """A POST /v1/completions body as a job."""
@@ -96,21 +102,14 @@ class RequestBuilder:
     def chat(self, data: dict[str, Any]) -> Job:
         """A POST /v1/chat/completions body as a job."""
         body = self._validate(data, ChatCompletionRequest, "chat")
-        messages: list[dict[str, Any]] = []
-        for i, m in enumerate(body.messages):
-            for j, part in enumerate(m.content if isinstance(m.content, list) else []):
-                if part.type != "text" or part.text is None:
-                    raise InvalidRequest(
-                        f"messages[{i}].content[{j}]: content part type {part.type!r} is not"
-                        " supported (text parts only)",
-                        "messages",
-                    )
-            message: dict[str, Any] = {"role": m.role, "content": m.text() or ""}
-            if m.name is not None:
-                message["name"] = m.name
-            messages.append(message)
+        tools = tool_request(body)
+        forced = self._tool_grammars.check(tools) if tools is not None else None
         try:
-            ids = self._tokenizer.encode_chat(messages, body.add_generation_prompt)
+            ids = self._tokenizer.encode_chat(
+                template_messages(_message_dicts(body)),
+                body.add_generation_prompt,
+                tools=[t.template_form() for t in tools.tools] if tools is not None else None,
+            )
         except ModelConfigError as exc:
             raise InvalidRequest(f"messages: {exc}", "messages") from exc
         prompt = PromptInput(ids, "")
@@ -122,9 +121,13 @@ class RequestBuilder:
         if body.top_logprobs is not None and not body.logprobs:
             raise InvalidRequest("top_logprobs: needs logprobs set to true", "top_logprobs")
         top = (body.top_logprobs or 0) if body.logprobs else None
-        sampling = self._sampling(body, max_tokens, top, None, limit)
+        grammar = ("tool_choice", forced) if forced is not None else None
+        sampling = self._sampling(body, max_tokens, top, None, limit, grammar)
         self._check_context(prompt, max_tokens, "messages", limit)
-        return self._job("chat", "chatcmpl", body, [prompt], sampling, body.n, top, False, False)
+        job = self._job("chat", "chatcmpl", body, [prompt], sampling, body.n, top, False, False)
+        if tools is not None and tools.parsed:
+            job.tool_format = self._config.tool_format
+        return job
 
     # ---- parts -----------------------------------------------------------------------------
 
@@ -180,6 +183,7 @@ class RequestBuilder:
         logprobs: int | None,
         prompt_logprobs: int | None,
         limit_param: str = "max_tokens",
+        grammar: tuple[str, GrammarSpec] | None = None,
     ) -> SamplingModel:
         if body.seed is not None and not 0 <= body.seed < _SEED_LIMIT:
             raise InvalidRequest(f"seed: must be in [0, 2**63), got {body.seed}", "seed")
@@ -203,7 +207,7 @@ class RequestBuilder:
                 logit_bias=self._logit_bias(body.logit_bias),
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
-                grammar=self._grammar(body),
+                grammar=self._grammar(body, grammar),
             )
         except SamplingParamsError as exc:
             field, _, rest = str(exc).partition(":")
@@ -234,8 +238,11 @@ class RequestBuilder:
         self._token_ids([t for t, _ in pairs], "logit_bias")
         return tuple(sorted(pairs))
 
-    def _grammar(self, body: SamplingFields) -> GrammarSpec | None:
-        specs: list[tuple[str, GrammarSpec]] = []
+    def _grammar(
+        self, body: SamplingFields, checked: tuple[str, GrammarSpec] | None
+    ) -> GrammarSpec | None:
+        # `checked`: a grammar already compiled by its caller (a forced tool call).
+        specs: list[tuple[str, GrammarSpec]] = [checked] if checked is not None else []
         fmt = body.response_format
         if fmt is not None and fmt.type == "json_object":
             specs.append(
@@ -269,6 +276,8 @@ class RequestBuilder:
             names = ", ".join(name for name, _ in specs)
             raise InvalidRequest(f"{specs[1][0]}: only one of {names} may be given", specs[1][0])
         param, spec = specs[0]
+        if checked is not None:
+            return spec
         try:
             self._grammars.check(spec)
         except (GrammarError, GrammarUnavailable) as exc:
@@ -319,6 +328,36 @@ class RequestBuilder:
             echo=echo,
             echo_only=echo_only,
         )
+
+
+def _message_dicts(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The chat's messages as plain dicts, text parts joined; other part types refused."""
+    messages: list[dict[str, Any]] = []
+    for i, m in enumerate(body.messages):
+        for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+            if part.type != "text" or part.text is None:
+                raise InvalidRequest(
+                    f"messages[{i}].content[{j}]: content part type {part.type!r} is not"
+                    " supported (text parts only)",
+                    "messages",
+                )
+        if m.tool_calls is not None and m.role != "assistant":
+            raise InvalidRequest(
+                f"messages[{i}].tool_calls: only assistant messages carry tool calls", "messages"
+            )
+        if m.tool_call_id is not None and m.role != "tool":
+            raise InvalidRequest(
+                f"messages[{i}].tool_call_id: only tool messages answer a call", "messages"
+            )
+        message: dict[str, Any] = {"role": m.role, "content": m.text() or ""}
+        if m.name is not None:
+            message["name"] = m.name
+        if m.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        messages.append(message)
+    return messages
 
 
 def _or(value: int | None, default: int) -> int:

@@ -31,11 +31,17 @@ from pdserve.router.api.openai_models import (
     CompletionResponse,
     ErrorDetail,
     ErrorResponse,
+    FunctionCallOut,
+    FunctionDeltaOut,
     PromptTokensDetails,
     SamplingFields,
+    ToolCallDeltaOut,
+    ToolCallOut,
     Usage,
 )
 from pdserve.text.output import OutputStream
+from pdserve.tools.formats import ToolFormat
+from pdserve.tools.parser import ParsedDelta, ToolCallDelta, ToolCallParser
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +70,8 @@ class Job:
     # Completions: prepend the prompt to each choice; echo_only: and generate nothing.
     echo: bool = False
     echo_only: bool = False
+    # Chat with tools (tool_choice not "none"): the output is read for calls in this format.
+    tool_format: ToolFormat | None = None
 
     @property
     def n(self) -> int:
@@ -78,12 +86,15 @@ class Job:
 
 @dataclass(slots=True)
 class ChoiceResult:
-    """One choice's output so far."""
+    """One choice's output so far: its content, and its tool calls when it is read for them."""
 
     index: int
     prompt: PromptInput
     output: OutputStream
+    # Reads the output for tool calls (chat with tools); None: the output is all content.
+    parser: ToolCallParser | None = None
     text: str = ""
+    tool_calls: list[ToolCallOut] = field(default_factory=list)
     # One per accepted output token when logprobs were computed.
     logprobs: list[LogprobModel] = field(default_factory=list)
     prompt_logprobs: list[LogprobModel] | None = None
@@ -93,6 +104,29 @@ class ChoiceResult:
     def total_logprob(self) -> float:
         """Sum of the output tokens' logprobs (best_of ranks by it)."""
         return sum(lp.logprob for lp in self.logprobs)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The output's finish reason; `tool_calls` when it stopped after making calls."""
+        reason = self.output.finish_reason
+        return "tool_calls" if reason == "stop" and self.tool_calls else reason
+
+    def add_text(self, text: str) -> ParsedDelta:
+        """Take the next output text: what it adds to the content and to the calls (the
+        parser's held text is flushed once the output has finished)."""
+        delta = self.parser.feed(text) if self.parser is not None else ParsedDelta(text)
+        if self.parser is not None and self.output.finished:
+            tail = self.parser.finish()
+            delta.content += tail.content
+            delta.calls.extend(tail.calls)
+        self.text += delta.content
+        for call in delta.calls:
+            if call.id is not None:
+                function = FunctionCallOut(name=call.name or "", arguments=call.arguments)
+                self.tool_calls.append(ToolCallOut(id=call.id, function=function))
+            else:
+                self.tool_calls[call.index].function.arguments += call.arguments
+        return delta
 
 
 def usage(job: Job, choices: Sequence[ChoiceResult]) -> Usage:
@@ -160,13 +194,19 @@ def chunk(
     token_ids: list[int] | None = None,
     logprobs: CompletionLogprobs | ChatLogprobs | None = None,
     usage: Usage | None = None,
+    calls: Sequence[ToolCallDelta] = (),
 ) -> BaseModel:
-    """One streamed chunk adding `text` to choice `index` (finish_reason on the last);
-    `token_ids` when asked, `logprobs` of the chunk's tokens, `usage` so far if asked."""
+    """One streamed chunk adding `text` (and chat tool-call pieces `calls`) to choice `index`
+    (finish_reason on the last); `token_ids` when asked, `logprobs` of the chunk's tokens,
+    `usage` so far if asked."""
     ids = token_ids if job.body.return_token_ids else None
     if job.kind == "chat":
         chat_lp = logprobs if isinstance(logprobs, ChatLogprobs) else None
-        chunk = chat_chunk(job, index, ChatDelta(content=text), finish_reason, ids, chat_lp)
+        delta = ChatDelta(
+            content=text if text or not calls else None,
+            tool_calls=[_call_delta(c) for c in calls] or None,
+        )
+        chunk = chat_chunk(job, index, delta, finish_reason, ids, chat_lp)
         chunk.usage = usage
         return chunk
     lp = logprobs if isinstance(logprobs, CompletionLogprobs) else None
@@ -177,6 +217,17 @@ def chunk(
         id=job.request_id, created=job.created, model=job.body.model, choices=[choice],
         usage=usage,
     )  # fmt: skip
+
+
+def _call_delta(call: ToolCallDelta) -> ToolCallDeltaOut:
+    # OpenAI's shape: the first piece of a call carries its id, type and whole name.
+    first = call.id is not None
+    return ToolCallDeltaOut(
+        index=call.index,
+        id=call.id,
+        type="function" if first else None,
+        function=FunctionDeltaOut(name=call.name if first else None, arguments=call.arguments),
+    )
 
 
 def chat_chunk(
@@ -204,8 +255,11 @@ def whole(job: Job, choices: Sequence[ChoiceResult], texts: TokenTexts) -> BaseM
         chat_choices = [
             ChatChoice(
                 index=c.index,
-                message=ChatMessageOut(content=c.text),
-                finish_reason=c.output.finish_reason,
+                message=ChatMessageOut(
+                    content=c.text if c.text or not c.tool_calls else None,
+                    tool_calls=c.tool_calls or None,
+                ),
+                finish_reason=c.finish_reason,
                 token_ids=list(c.output.token_ids) if job.body.return_token_ids else None,
                 logprobs=output_logprobs(job, texts, c.output.token_ids, c.logprobs, []),  # type: ignore[arg-type]
             )

@@ -61,6 +61,8 @@ class FakeWorker:
     fail_kv_times: int = 0
     # This many /decode calls find their reservation gone (it expired while the prefill ran).
     expire_reservations_times: int = 0
+    # Why the last token (max_tokens) ends the stream: "length", or "stop" as an EOS would.
+    finish_reason: str = "length"
     # Cut /decode and /generate streams (no finished event) after this many tokens.
     cut_after_tokens: int | None = None
     # Refuse this many reservations (503) before accepting.
@@ -271,7 +273,7 @@ class FakeWorker:
             event = TokenEvent(
                 token_ids=[token],
                 finished=last,
-                finish_reason="length" if last else None,
+                finish_reason=self.finish_reason if last else None,
                 logprobs=None if lp is None else [lp],
                 prompt_logprobs=None
                 if i != start or prompt is None

@@ -64,4 +64,4 @@ def run(coro: Callable[[], Awaitable[None]]) -> None:
 
 def completion(max_tokens: int = 4, **kw: object) -> dict[str, object]:
     """A greedy /v1/completions body."""
-    return {"model": "tiny-v1", "prompt": "hello", "max_tokens": max_tokens, "temperature": 0, **kw}
+    return {"model": "tiny-v2", "prompt": "hello", "max_tokens": max_tokens, "temperature": 0, **kw}

@@ -57,9 +57,9 @@ ENDPOINTS: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,
 }
 VALID: dict[str, dict[str, Any]] = {
-    "/v1/completions": {"model": "tiny-v1", "prompt": "hello", "max_tokens": 2},
+    "/v1/completions": {"model": "tiny-v2", "prompt": "hello", "max_tokens": 2},
     "/v1/chat/completions": {
-        "model": "tiny-v1",
+        "model": "tiny-v2",
         "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 2,
     },
@@ -69,7 +69,7 @@ VALID: dict[str, dict[str, Any]] = {
 
 # Values close to what each field takes, so fuzzing also reaches the checks after parsing.
 PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
-    "model": st.sampled_from(["tiny-v1", "other", "", "tiny-v1 "]),
+    "model": st.sampled_from(["tiny-v2", "other", "", "tiny-v2 "]),
     "prompt": st.one_of(
         st.sampled_from(["", "hi", [], [1, 2], [-1], [2047], [2048], [1, True]]),
         st.lists(st.integers(-5, 3000), max_size=5),
@@ -271,18 +271,18 @@ def test_the_router_answers_every_body_with_a_completion_or_a_400_naming_the_fie
     [
         # json.loads accepted these; the tokenizer (TypeError) or the JSON encoder of the call
         # to the worker (PydanticSerializationError) then failed with a 500.
-        ("/v1/completions", rb'{"model": "tiny-v1", "prompt": "he\ud800llo"}', None,
+        ("/v1/completions", rb'{"model": "tiny-v2", "prompt": "he\ud800llo"}', None,
          "invalid_json"),
-        ("/v1/completions", rb'{"model": "tiny-v1", "prompt": "a", "stop": ["\udfff"]}', None,
+        ("/v1/completions", rb'{"model": "tiny-v2", "prompt": "a", "stop": ["\udfff"]}', None,
          "invalid_json"),
         ("/v1/chat/completions",
-         rb'{"model": "tiny-v1", "messages": [{"role": "user", "content": "\ud83d"}]}', None,
+         rb'{"model": "tiny-v2", "messages": [{"role": "user", "content": "\ud83d"}]}', None,
          "invalid_json"),
         # json.loads raised RecursionError: a 500.
         ("/v1/completions", b"[" * 100_000, None, "invalid_json"),
         ("/v1/chat/completions", b'{"a":' * 100_000, None, "invalid_json"),
         # Accepted and sent to the workers, whose sampler cannot take a seed past 64 bits.
-        ("/v1/completions", b'{"model": "tiny-v1", "prompt": "a", "seed": 18446744073709551616}',
+        ("/v1/completions", b'{"model": "tiny-v2", "prompt": "a", "seed": 18446744073709551616}',
          "seed", None),
     ],
     ids=["surrogate-prompt", "surrogate-stop", "surrogate-chat", "deep-array", "deep-object",

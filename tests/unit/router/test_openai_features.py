@@ -24,7 +24,7 @@ TOKENS = [300, 301, 302, 303, 304, 305, 306, 307]
 
 
 def chat(**kw: object) -> dict[str, object]:
-    return {"model": "tiny-v1", "messages": [{"role": "user", "content": "hi"}],
+    return {"model": "tiny-v2", "messages": [{"role": "user", "content": "hi"}],
             "max_tokens": 4, "temperature": 0, **kw}  # fmt: skip
 
 
@@ -163,6 +163,7 @@ def test_chat_logprobs_through_the_disaggregated_handoff_and_a_migration(model: 
         ({"tool_choice": "none", "store": False, "metadata": {"a": "b"}}, True),
         ({"modalities": ["text"], "parallel_tool_calls": True}, True),
         ({"tool_choice": "auto"}, False),
+        ({"functions": [{"name": "f"}]}, False),
         ({"audio": {"voice": "x"}}, False),
         ({"modalities": ["text", "audio"]}, False),
         ({"echo": True}, False),
@@ -259,7 +260,7 @@ def test_served_model_names_and_max_model_len(model: Path) -> None:
             assert models["data"][0]["max_model_len"] == 64
             resp = await client.post("/v1/completions", json=completion(model="b"))
             assert resp.status == 200 and (await resp.json())["model"] == "b"
-            resp = await client.post("/v1/completions", json=completion())  # tiny-v1
+            resp = await client.post("/v1/completions", json=completion())  # tiny-v2
             assert resp.status == 400 and (await resp.json())["error"]["param"] == "model"
             resp = await client.post("/v1/completions", json=completion(model="a", max_tokens=70))
             assert resp.status == 400 and (await resp.json())["error"]["param"] == "max_tokens"

@@ -34,14 +34,14 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "
           "stream", "stream_options", "tools", "suffix", "user", "include_stop_str_in_output",
           "skip_special_tokens", "max_completion_tokens", "unknown"]  # fmt: skip
 BODIES = st.fixed_dictionaries(
-    {"model": st.just("tiny-v1")},
+    {"model": st.just("tiny-v2")},
     optional={f: VALUES for f in FIELDS if f != "model"},
 )
 
 
 @pytest.fixture(scope="module")
 def builder(tiny_model_path: Path) -> RequestBuilder:
-    config = BuilderConfig(model_names=("tiny-v1",), max_model_len=2048)
+    config = BuilderConfig(model_names=("tiny-v2",), max_model_len=2048)
     return RequestBuilder(config, Tokenizer(tiny_model_path))
 
 
@@ -107,7 +107,7 @@ def test_sampling_round_trips_the_wire(params: SamplingParams) -> None:
 def test_a_bad_output_limit_is_named_as_the_client_sent_it(
     builder: RequestBuilder, limits: dict[str, int], param: str
 ) -> None:
-    body = {"model": "tiny-v1", "messages": [{"role": "user", "content": "hi"}], **limits}
+    body = {"model": "tiny-v2", "messages": [{"role": "user", "content": "hi"}], **limits}
     with pytest.raises(InvalidRequest) as caught:
         builder.chat(body)
     assert caught.value.param == param

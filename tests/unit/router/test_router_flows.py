@@ -182,7 +182,7 @@ def test_colocated_mode_and_runtime_switch(model: Path, tokens: list[int]) -> No
 
     async def body() -> None:
         async with router(model, [prefill, both], mode="colocated") as client:
-            chat = {"model": "tiny-v1", "max_tokens": 3, "stream": True,
+            chat = {"model": "tiny-v2", "max_tokens": 3, "stream": True,
                     "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
             resp = await client.post("/v1/chat/completions", json=chat)
             events = sse.parse_events(await resp.read())
