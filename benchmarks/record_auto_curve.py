@@ -43,7 +43,7 @@ def _get(url: str) -> Any:
 
 async def _drive(router_url: str, slo: SLO) -> None:
     async with aiohttp.ClientSession() as session:
-        endpoint = Endpoint("auto", router_url, "tiny-v1")
+        endpoint = Endpoint("auto", router_url, "tiny-v2")
         for phase, (rate, shape, duration_s) in enumerate(PHASES):
             specs = build_workload(rate, phase, shape, None, duration_s)
             task = asyncio.create_task(run_rate(session, endpoint, specs, 120.0))

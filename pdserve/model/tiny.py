@@ -69,7 +69,7 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "<|{{ message['role'] }}|>\n{% if message['content'] %}{{ message['content'] }}{% endif %}"
     "{% for call in message['tool_calls'] or [] %}"
-    '<tool_call>\n{"name": {{ call[\'function\'][\'name\'] | tojson }}, "arguments": '
+    "<tool_call>\n{\"name\": {{ call['function']['name'] | tojson }}, \"arguments\": "
     "{{ call['function']['arguments'] | tojson }}}\n</tool_call>"
     "{% endfor %}"
     "{{ eos_token }}\n"
