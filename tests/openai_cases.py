@@ -27,6 +27,43 @@ SCHEMA = {
     "additionalProperties": False,
 }
 
+# Two tools whose arguments a random model can finish (enums, a bounded integer, a boolean).
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"enum": ["Paris", "Tokyo", "Lima"]},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                },
+                "required": ["city", "days"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "convert",
+            "parameters": {
+                "type": "object",
+                "properties": {"unit": {"enum": ["C", "F"]}, "round": {"type": "boolean"}},
+                "required": ["unit", "round"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+EARLIER_CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Lima", "days": 2}'},
+}
+
 # (kind, keyword arguments of client.<kind>.create); extra_body carries vLLM's extensions.
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "greedy-penalties-echo": (
@@ -85,6 +122,36 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             "extra_body": {"guided_choice": ["absolutely yes", "certainly not"]},
         },
     ),
+    "tool-required": (
+        "chat",
+        {
+            "messages": [{"role": "user", "content": "Weather in Paris, in F?"}],
+            "tools": TOOLS,
+            "tool_choice": "required",
+            "parallel_tool_calls": False,
+            "max_tokens": 80,
+            "temperature": 0.8,
+            "seed": 11,
+            "logprobs": True,
+        },
+    ),
+    "tool-named-after-a-result": (
+        "chat",
+        {
+            "messages": [
+                {"role": "user", "content": "Weather in Lima?"},
+                {"role": "assistant", "content": None, "tool_calls": [EARLIER_CALL]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 24 C"},
+                {"role": "user", "content": "And in F?"},
+            ],
+            "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": "convert"}},
+            "max_tokens": 80,
+            "temperature": 1.0,
+            "seed": 5,
+            "logprobs": True,
+        },
+    ),
 }
 
 
@@ -97,6 +164,8 @@ class Outcome:
     finish_reason: str | None
     # Per token: (token text, logprob, sorted alternatives) — from the logprobs object.
     logprobs: tuple[tuple[str, float | None, tuple[tuple[str, float], ...]], ...]
+    # Chat: each tool call's (function name, arguments); ids are random and left out.
+    tool_calls: tuple[tuple[str, str], ...] = ()
 
 
 def client(url: str) -> openai.OpenAI:
@@ -138,12 +207,15 @@ def run_case(
                     Outcome(c.index, c.text, c.finish_reason, _completion_logprobs(c.logprobs))
                 )
             else:
+                calls = tuple((t.function.name, t.function.arguments)
+                              for t in c.message.tool_calls or [])  # fmt: skip
                 out.append(Outcome(c.index, c.message.content or "", c.finish_reason,
-                                   _chat_logprobs(c.logprobs)))  # fmt: skip
+                                   _chat_logprobs(c.logprobs), calls))  # fmt: skip
         return sorted(out, key=lambda o: o.index)
     texts: dict[int, str] = {}
     finish: dict[int, str | None] = {}
     lps: dict[int, list[Any]] = {}
+    calls: dict[int, list[list[str]]] = {}
     for n, chunk in enumerate(create(model=MODEL, stream=True, **kwargs)):
         for c in chunk.choices:
             texts.setdefault(c.index, "")
@@ -154,15 +226,38 @@ def run_case(
             else:
                 texts[c.index] += c.delta.content or ""
                 lps[c.index] += _chat_logprobs(c.logprobs)
+                for piece in c.delta.tool_calls or []:
+                    own = calls.setdefault(c.index, [])
+                    if piece.id is not None:  # a call's first piece: its id and whole name
+                        assert piece.index == len(own) and piece.type == "function"
+                        own.append([piece.function.name, ""])
+                    own[piece.index][1] += piece.function.arguments or ""
             finish[c.index] = c.finish_reason or finish.get(c.index)
         if on_chunk is not None:
             on_chunk(n)
-    return [Outcome(i, texts[i], finish.get(i), tuple(lps[i])) for i in sorted(texts)]
+    return [
+        Outcome(i, texts[i], finish.get(i), tuple(lps[i]),
+                tuple((n, a) for n, a in calls.get(i, [])))
+        for i in sorted(texts)
+    ]  # fmt: skip
 
 
 def check_valid(name: str, outcomes: list[Outcome]) -> None:
     """What each case promises whatever path served it."""
     for o in outcomes:
+        if name.startswith("tool-"):
+            # Forced calls: exactly one (parallel off, or named), valid under its schema.
+            assert o.finish_reason == "tool_calls" and o.text == "" and len(o.tool_calls) == 1, o
+            function, arguments = o.tool_calls[0]
+            args = json.loads(arguments)
+            if function == "get_weather":
+                assert args["city"] in ("Paris", "Tokyo", "Lima") and 1 <= args["days"] <= 7
+            else:
+                assert args["unit"] in ("C", "F") and isinstance(args["round"], bool)
+            if name == "tool-named-after-a-result":
+                assert function == "convert"
+            assert o.logprobs, "every case asks for logprobs"
+            continue
         assert o.finish_reason in ("stop", "length"), o
         if name == "json-schema":
             value = json.loads(o.text)

@@ -12,6 +12,7 @@ The official `openai` client sees the same streamed chat across a checkpointed r
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -424,6 +425,69 @@ def test_the_official_openai_client_sees_the_same_chat_across_a_checkpointed_res
     outcome = chat(kill)
     assert killed, "no decode worker had the stream when the kill was due"
     assert outcome == reference and reference[1:] == ("length", 300)
+    recomputed = resumed_from_checkpoint(handles, killed[0])
+    assert recomputed <= BLOCK_SIZE, f"{recomputed} tokens recomputed"
+    wait_clean(handles, CHECKPOINT_TTL_S + 2)
+
+
+def test_a_tool_call_cut_mid_arguments_resumes_from_its_checkpoint(
+    cluster: tuple[str, list[WorkerHandle]],
+) -> None:
+    """A forced, sampled tool call whose decode worker dies inside the arguments resumes from
+    its checkpoint with the same call: the grammar is rebuilt from the tokens and the sampler
+    keeps the request's seed, so the arguments continue where they were, valid."""
+    from openai_cases import client
+
+    url, handles = cluster
+    decodes = [h for h in handles if h.role == "decode"]
+    api = client(url)
+    note = {"type": "string", "minLength": 400, "maxLength": 420}
+    tool = {"type": "function", "function": {"name": "log", "parameters": {
+        "type": "object", "properties": {"note": note}, "required": ["note"],
+        "additionalProperties": False}}}  # fmt: skip
+    kwargs = {
+        "model": "tiny-v2",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "tools": [tool],
+        "tool_choice": {"type": "function", "function": {"name": "log"}},
+        "max_tokens": 600,
+        "temperature": 0.8,
+        "seed": 9,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+    def call(on_chunk: object = None) -> tuple[str, str, str | None, int]:
+        name, arguments, finish, tokens = "", "", None, 0
+        for n, chunk in enumerate(api.chat.completions.create(**kwargs), 1):
+            for c in chunk.choices:
+                for piece in c.delta.tool_calls or []:
+                    name += piece.function.name or ""
+                    arguments += piece.function.arguments or ""
+                finish = c.finish_reason or finish
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+            if callable(on_chunk):
+                on_chunk(n)
+        return name, arguments, finish, tokens
+
+    reference = call()
+    assert reference[0] == "log" and reference[2] == "tool_calls"
+    assert 400 <= len(json.loads(reference[1])["note"]) <= 420
+    killed: list[WorkerHandle] = []
+
+    def kill(num_chunks: int) -> None:
+        # Chunks come once the call's name is known: chunk 40 is well inside the note.
+        if num_chunks == 40 and not killed:
+            victim = busy_decoder(url, decodes)
+            if victim is not None:
+                after_a_checkpoint(victim, signal.SIGKILL)
+                victim.proc.wait(5)
+                killed.append(victim)
+
+    outcome = call(kill)
+    assert killed, "no decode worker had the stream when the kill was due"
+    assert outcome == reference
     recomputed = resumed_from_checkpoint(handles, killed[0])
     assert recomputed <= BLOCK_SIZE, f"{recomputed} tokens recomputed"
     wait_clean(handles, CHECKPOINT_TTL_S + 2)

@@ -1,7 +1,8 @@
 """A decode worker SIGKILLed mid-stream while serving requests that use logprobs, penalties,
-min_tokens, logit_bias, echo, n > 1 and structured output: the migrated stream's text and
-logprobs equal the fault-free run's bit for bit, and JSON cut mid-object by the kill is still
-the same valid JSON (the grammar state is rebuilt from the tokens, not restarted)."""
+min_tokens, logit_bias, echo, n > 1, structured output and a forced tool call: the migrated
+stream's text, tool call and logprobs equal the fault-free run's bit for bit, and JSON or a
+call's arguments cut mid-object by the kill are still the same valid JSON (the grammar state
+is rebuilt from the tokens, and the sampler keeps the request's seed)."""
 
 from __future__ import annotations
 
@@ -21,10 +22,10 @@ from worker_proc import WorkerHandle, launch_worker, router_process, wait_ready,
 def cluster(
     tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, list[WorkerHandle]]]:
-    """One prefill and four `both` workers: each case kills one decode worker."""
+    """One prefill and five `both` workers: each case kills one decode worker."""
     workdir = tmp_path_factory.mktemp("feature-migration")
     with worker_processes() as handles:
-        for role in ("prefill", "both", "both", "both", "both"):
+        for role in ("prefill", "both", "both", "both", "both", "both"):
             handles.append(launch_worker(role, workdir, model=tiny_model_path,
                                          extra_args=("--kv-cache-bytes", str(32 << 20), "--batch-invariant")))  # fmt: skip
         for handle in handles:
@@ -48,19 +49,28 @@ def migrations(url: str) -> float:
     return float(line.rsplit(" ", 1)[1])
 
 
-@pytest.mark.parametrize("name", ["json-schema", "greedy-penalties-echo", "seeded-n2-minp"])
+# The chunk after which the decode worker dies: ~5 tokens in, well inside the JSON object of
+# the 20- or 24-token texts; for the tool call (one chunk a token: it asks for logprobs), past
+# its ~35-token `<tool_call>` header and name, inside the arguments.
+KILL_AT = {"json-schema": 6, "greedy-penalties-echo": 6, "seeded-n2-minp": 6, "tool-required": 42}
+
+
+@pytest.mark.parametrize("name", list(KILL_AT))
 def test_kill_mid_stream_keeps_tokens_logprobs_and_grammar(
     cluster: tuple[str, list[WorkerHandle]], name: str
 ) -> None:
     url, handles = cluster
     reference = run_case(url, name, stream=True)
     check_valid(name, reference)
-    # The kill lands after ~5 tokens: well inside the JSON object, the 20- or 24-token texts.
-    assert all(len(o.logprobs) > 12 for o in reference)
+    assert all(len(o.logprobs) > KILL_AT[name] + 6 for o in reference)
+    if name == "tool-required":
+        # Chunk 0 is the role; chunk k carries token k - 1: the kill follows token KILL_AT - 1.
+        sent = "".join(token for token, _, _ in reference[0].logprobs[: KILL_AT[name]])
+        assert '"arguments": {' in sent and not sent.endswith("}"), sent
     killed: list[WorkerHandle] = []
 
     def kill_the_decoder(num_chunks: int) -> None:
-        if num_chunks != 6 or killed:
+        if num_chunks != KILL_AT[name] or killed:
             return
         for h in handles:
             if h.role == "both" and h.proc.poll() is None and int(health(h.url)["num_running"]) > 0:  # type: ignore[call-overload]
