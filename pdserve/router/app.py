@@ -44,7 +44,8 @@ from pdserve.observability import otel
 from pdserve.protocol.worker_api import WorkerHealth
 from pdserve.router import debug_view
 from pdserve.router import metrics as metrics_mod
-from pdserve.router.api.openai_routes import OpenAIApi, error_body
+from pdserve.router.api.openai_routes import OpenAIApi
+from pdserve.router.api.responses import error_body
 from pdserve.router.api.tokenize_routes import TokenizeApi
 from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.flows.capacity_queue import CapacityQueue

@@ -304,6 +304,17 @@ class RouterConfig:
         group="serving (OpenAI API)",
         help="the model's tool-call format: hermes (<tool_call> tags) or llama3_json",
     )
+    # Keep /v1/responses answers (the newest `responses_store_size`) for previous_response_id
+    # and GET /v1/responses/{id}; off: stateless, as vLLM is by default.
+    enable_store: bool = setting(
+        False,
+        action="store_true",
+        group="serving (OpenAI API)",
+        help="store /v1/responses answers in memory for previous_response_id",
+    )
+    responses_store_size: int = setting(
+        1000, group="serving (OpenAI API)", help="responses kept with --enable-store"
+    )
     # The latency targets the router measures attainment against (and auto mode keeps).
     slo: SLOConfig = field(default_factory=SLOConfig)
     # Thresholds and hysteresis of the automatic mode; its window is also the live window.
@@ -329,6 +340,10 @@ class RouterConfig:
             )
         if self.timeline_ring < 1:
             raise ConfigError(f"timeline-ring: must be >= 1, got {self.timeline_ring}")
+        if self.responses_store_size < 1:
+            raise ConfigError(
+                f"responses-store-size: must be >= 1, got {self.responses_store_size}"
+            )
         if self.health_deadline_s < 0:
             raise ConfigError(f"health-deadline-s: must be >= 0, got {self.health_deadline_s}")
         if self.health_poll_interval_s <= 0:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from openai_cases import CASES, check_valid, client, run_case
+from openai_cases import CASES, TOOLS, check_valid, client, run_case
 from worker_proc import launch_worker, router_process, wait_ready, worker_processes
 
 # Bitwise-equal logprobs on every path need the batch-invariant forward (off by default).
@@ -93,6 +93,42 @@ def test_every_feature_is_identical_across_paths(cluster: tuple[str, str], name:
     # Through the router that loses prefills: some requests re-prefill; every answer is the same.
     for stream in (False, True, False):
         assert run_case(faulty, name, stream=stream) == reference
+
+
+def test_responses_api_is_identical_across_paths(cluster: tuple[str, str]) -> None:
+    """/v1/responses through the official client: a forced, sampled function call and text,
+    whole and streamed, colocated and disaggregated: the same output items."""
+    plain, _ = cluster
+    api = client(plain)
+    tools = [{"type": "function", **TOOLS[0]["function"]}]
+
+    def outputs(**kw: object) -> list[tuple[object, ...]]:
+        if kw.pop("stream", False):
+            # The last event carries the response: response.completed, or .incomplete when
+            # max_output_tokens cut it (which the client's stream helper does not finish on).
+            *_, last = api.responses.create(model="tiny-v2", stream=True, **kw)  # type: ignore[call-overload]
+            resp = last.response
+        else:
+            resp = api.responses.create(model="tiny-v2", **kw)  # type: ignore[arg-type]
+        return [(o.type, getattr(o, "name", None), getattr(o, "arguments", None),
+                 o.content[0].text if o.type == "message" else None) for o in resp.output]  # type: ignore[union-attr]  # fmt: skip
+
+    cases = [
+        {"input": "Weather in Lima?", "tools": tools, "tool_choice": "required",
+         "parallel_tool_calls": False, "temperature": 0.8, "extra_body": {"seed": 4}},
+        {"input": "Once upon a time", "max_output_tokens": 12, "temperature": 0},
+    ]  # fmt: skip
+    for case in cases:
+        reference = outputs(**case)
+        assert outputs(stream=True, **case) == reference
+        post(f"{plain}/admin/mode", {"mode": "colocated"})
+        try:
+            assert outputs(**case) == reference
+            assert outputs(stream=True, **case) == reference
+        finally:
+            post(f"{plain}/admin/mode", {"mode": "disagg"})
+    call = outputs(**cases[0])[0]
+    assert call[:2] == ("function_call", "get_weather") and json.loads(str(call[2]))["city"]
 
 
 def test_reprefills_really_happened(cluster: tuple[str, str]) -> None:

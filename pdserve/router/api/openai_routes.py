@@ -30,13 +30,17 @@ from pdserve.errors import NoCapacity, PdserveError, WorkerCallError
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.observability.phases import handoff_phases
 from pdserve.observability.spikes import SpikeDetector
-from pdserve.router.api import fanout, responses, sse
+from pdserve.router.api import fanout, sse
+from pdserve.router.api.chat_render import ChatRender
 from pdserve.router.api.fanout import ChoiceRun, Piece
 from pdserve.router.api.json_body import read_object
 from pdserve.router.api.logprobs_format import TokenTexts
-from pdserve.router.api.openai_models import ChatDelta, ModelCard, ModelList
+from pdserve.router.api.openai_models import ModelCard, ModelList
+from pdserve.router.api.render import Render, RenderFactory
 from pdserve.router.api.request_builder import BuilderConfig, RequestBuilder
-from pdserve.router.api.responses import Job, error_body
+from pdserve.router.api.responses import Job
+from pdserve.router.api.responses_api.routes import ResponsesApi
+from pdserve.router.api.responses_api.store import ResponseStore
 from pdserve.router.config import RouterConfig
 from pdserve.router.flows import progress
 from pdserve.router.flows.dispatcher import Dispatcher
@@ -81,6 +85,10 @@ class OpenAIApi:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        store = (
+            ResponseStore(self._config.responses_store_size) if self._config.enable_store else None
+        )
+        ResponsesApi(self._builder, self.serve, store).add_routes(app)
 
     async def models(self, request: web.Request) -> web.Response:
         """GET /v1/models: the served model, under each of its names."""
@@ -93,29 +101,33 @@ class OpenAIApi:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/completions."""
         job = self._builder.completion(await read_object(request))
-        return await self._serve(request, job)
+        return await self.serve(request, job)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/chat/completions (prompt from the chat template)."""
         job = self._builder.chat(await read_object(request))
-        return await self._serve(request, job)
+        return await self.serve(request, job)
 
-    async def _serve(self, request: web.Request, job: Job) -> web.StreamResponse:
+    async def serve(
+        self, request: web.Request, job: Job, render_for: RenderFactory | None = None
+    ) -> web.StreamResponse:
+        """Run `job`'s flows and write its answer with the render `render_for` makes (the
+        chat and completions one by default)."""
         session_id = request.headers.get("x-session-id") or job.body.user
         deadline = asyncio.get_running_loop().time() + self._config.request_timeout_s
         runs = fanout.start(job, self._dispatcher, self._tokenizer, session_id, deadline)
+        render = (render_for or self._chat_render)(job, runs)
         mode = runs[0].timeline.mode
         status = "error"
         try:
             async with contextlib.aclosing(fanout.pieces(runs)) as pieces:
                 if job.body.stream:
-                    resp, status = await self._stream(request, job, pieces, runs, deadline)
+                    resp, status = await self._stream(request, job, pieces, runs, render, deadline)
                 else:
                     async with asyncio.timeout_at(deadline):
-                        async for _ in pieces:
-                            pass  # each choice accumulates its own result
-                    chosen = fanout.returned(job, runs)
-                    resp = _json(responses.whole(job, chosen, self._texts))
+                        async for piece in pieces:
+                            render.observe(piece)
+                    resp = _json(render.whole(fanout.returned(job, runs)))
                     status = "ok"
             return resp
         except NoCapacity:
@@ -144,12 +156,16 @@ class OpenAIApi:
                     for spike in self.spikes.observe(run.request.request_id, phases):
                         log.warning("%s", spike.describe())
 
+    def _chat_render(self, job: Job, runs: list[ChoiceRun]) -> ChatRender:
+        return ChatRender(job, self._texts, runs)
+
     async def _stream(
         self,
         request: web.Request,
         job: Job,
         pieces: AsyncGenerator[Piece, None],
         runs: list[ChoiceRun],
+        render: Render,
         deadline: float,
     ) -> tuple[web.StreamResponse, str]:
         """The SSE response and the request's status for the metrics."""
@@ -158,36 +174,12 @@ class OpenAIApi:
             first = await anext(pieces)
         resp = web.StreamResponse(headers={"Content-Type": sse.CONTENT_TYPE})
         await resp.prepare(request)
-        results = {run.result.index: run.result for run in runs}
-        opened: set[int] = set()
         piece: Piece | None = first
         status = "ok"
         try:
             while piece is not None:
-                if piece.index not in opened:
-                    opened.add(piece.index)
-                    for body in self._opening(job, results[piece.index]):
-                        await resp.write(sse.encode_event(body))
-                if (
-                    piece.text
-                    or piece.tool_calls
-                    or piece.finish_reason is not None
-                    or (job.body.return_token_ids and piece.token_ids)
-                    or (job.top_logprobs is not None and piece.token_ids)
-                ):
-                    lp = responses.output_logprobs(
-                        job, self._texts, piece.token_ids, piece.logprobs,
-                        [len(self._echo_prefix(job, results[piece.index])) + o
-                         for o in piece.text_offsets],
-                    )  # fmt: skip
-                    so_far = (
-                        responses.usage(job, [r.result for r in runs])
-                        if job.body.continuous_usage
-                        else None
-                    )
-                    body = responses.chunk(job, piece.index, piece.text, piece.finish_reason,
-                                           piece.token_ids, lp, so_far, piece.tool_calls)  # fmt: skip
-                    await resp.write(sse.encode_event(body))
+                for event in render.events(piece):
+                    await resp.write(event)
                 async with asyncio.timeout_at(deadline):
                     piece = await anext(pieces, None)
         except TimeoutError:
@@ -195,40 +187,27 @@ class OpenAIApi:
             message = f"request timed out after {self._config.request_timeout_s} s"
             for run in runs:
                 progress.failed(run.timeline, message)
-            await resp.write(sse.encode_event(error_body(message, "timeout", code="timeout")))
+            for event in render.failed(message, "timeout", "timeout"):
+                await resp.write(event)
         except PdserveError as exc:
             # Headers are out: the failure becomes the stream's last event, never a status.
             status = "no_capacity" if isinstance(exc, NoCapacity) else "error"
-            await resp.write(sse.encode_event(error_body(str(exc), "server_error")))
+            for event in render.failed(str(exc), "server_error"):
+                await resp.write(event)
         except (ConnectionResetError, asyncio.CancelledError):
             raise
         except Exception:
             log.exception("request %s failed after its headers", job.request_id)
             status = "error"
-            body = error_body("internal router error (see the router log)", "server_error")
-            await resp.write(sse.encode_event(body))
-        else:
-            if job.body.include_usage:
-                chosen = fanout.returned(job, runs)
-                await resp.write(sse.encode_event(responses.usage_chunk(job, chosen)))
-        await resp.write(sse.DONE)
-        with contextlib.suppress(ConnectionResetError):  # the client left after [DONE]
+            for event in render.failed(
+                "internal router error (see the router log)", "server_error"
+            ):
+                await resp.write(event)
+        for event in render.closing(fanout.returned(job, runs), status == "ok"):
+            await resp.write(event)
+        with contextlib.suppress(ConnectionResetError):  # the client left after the last event
             await resp.write_eof()
         return resp, status
-
-    def _opening(self, job: Job, choice: responses.ChoiceResult) -> list[BaseModel]:
-        """What a streamed choice starts with: the role (chat), the echoed prompt (echo)."""
-        if job.kind == "chat":
-            return [responses.chat_chunk(job, choice.index, ChatDelta(role="assistant"))]
-        if not job.echo:
-            return []
-        offsets = responses.prompt_offsets(self._texts, choice.prompt)
-        lp = responses.echo_logprobs(job, self._texts, choice, offsets)
-        return [responses.chunk(job, choice.index, choice.prompt.text, None, None, lp)]
-
-    @staticmethod
-    def _echo_prefix(job: Job, choice: responses.ChoiceResult) -> str:
-        return choice.prompt.text if job.echo else ""
 
 
 def _json(body: BaseModel, status: int = 200) -> web.Response:

@@ -99,8 +99,8 @@ class RequestBuilder:
         return self._job("completion", "cmpl", body, prompts, sampling, best_of,
                          body.logprobs, body.echo, echo_only)  # fmt: skip
 
-    def chat(self, data: dict[str, Any]) -> Job:
-        """A POST /v1/chat/completions body as a job."""
+    def chat(self, data: dict[str, Any], request_id: str | None = None) -> Job:
+        """A POST /v1/chat/completions body as a job (`request_id`: its id, else a new one)."""
         body = self._validate(data, ChatCompletionRequest, "chat")
         tools = tool_request(body)
         forced = self._tool_grammars.check(tools) if tools is not None else None
@@ -125,6 +125,7 @@ class RequestBuilder:
         sampling = self._sampling(body, max_tokens, top, None, limit, grammar)
         self._check_context(prompt, max_tokens, "messages", limit)
         job = self._job("chat", "chatcmpl", body, [prompt], sampling, body.n, top, False, False)
+        job.request_id = request_id or job.request_id
         if tools is not None and tools.parsed:
             job.tool_format = self._config.tool_format
         return job

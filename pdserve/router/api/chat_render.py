@@ -1,0 +1,83 @@
+"""How a completion or chat completion is written: one JSON body, or SSE chunks ending in
+`data: [DONE]` (the role or the echoed prompt first, a usage chunk last when asked)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pydantic import BaseModel
+
+from pdserve.router.api import responses, sse
+from pdserve.router.api.fanout import ChoiceRun, Piece
+from pdserve.router.api.logprobs_format import TokenTexts
+from pdserve.router.api.openai_models import ChatDelta
+from pdserve.router.api.responses import ChoiceResult, Job, error_body
+
+
+class ChatRender:
+    """Writes one /v1/completions or /v1/chat/completions request's answer."""
+
+    def __init__(self, job: Job, texts: TokenTexts, runs: Sequence[ChoiceRun]) -> None:
+        self._job = job
+        self._texts = texts
+        self._runs = runs
+        self._results = {run.result.index: run.result for run in runs}
+        self._opened: set[int] = set()
+
+    def observe(self, piece: Piece) -> None:
+        """A piece of a request answered whole: each choice accumulates its own result."""
+
+    def events(self, piece: Piece) -> list[bytes]:
+        """The SSE events of one streamed piece (a choice's opening on its first)."""
+        job, out = self._job, []
+        if piece.index not in self._opened:
+            self._opened.add(piece.index)
+            out += [sse.encode_event(b) for b in self._opening(self._results[piece.index])]
+        if (
+            piece.text
+            or piece.tool_calls
+            or piece.finish_reason is not None
+            or (job.body.return_token_ids and piece.token_ids)
+            or (job.top_logprobs is not None and piece.token_ids)
+        ):
+            prefix = len(self._echo_prefix(self._results[piece.index]))
+            lp = responses.output_logprobs(
+                job, self._texts, piece.token_ids, piece.logprobs,
+                [prefix + o for o in piece.text_offsets],
+            )  # fmt: skip
+            so_far = (
+                responses.usage(job, [r.result for r in self._runs])
+                if job.body.continuous_usage
+                else None
+            )
+            body = responses.chunk(job, piece.index, piece.text, piece.finish_reason,
+                                   piece.token_ids, lp, so_far, piece.tool_calls)  # fmt: skip
+            out.append(sse.encode_event(body))
+        return out
+
+    def whole(self, chosen: Sequence[ChoiceResult]) -> BaseModel:
+        """The answer of a request that was not streamed."""
+        return responses.whole(self._job, chosen, self._texts)
+
+    def failed(self, message: str, type_: str, code: str | None = None) -> list[bytes]:
+        """The event that ends a stream which failed after its headers."""
+        return [sse.encode_event(error_body(message, type_, code=code))]
+
+    def closing(self, chosen: Sequence[ChoiceResult], ok: bool) -> list[bytes]:
+        """The stream's last events: the usage chunk if asked (and all went well), [DONE]."""
+        usage = ok and self._job.body.include_usage
+        return [sse.encode_event(responses.usage_chunk(self._job, chosen))] * usage + [sse.DONE]
+
+    def _opening(self, choice: ChoiceResult) -> list[BaseModel]:
+        """What a streamed choice starts with: the role (chat), the echoed prompt (echo)."""
+        job = self._job
+        if job.kind == "chat":
+            return [responses.chat_chunk(job, choice.index, ChatDelta(role="assistant"))]
+        if not job.echo:
+            return []
+        offsets = responses.prompt_offsets(self._texts, choice.prompt)
+        lp = responses.echo_logprobs(job, self._texts, choice, offsets)
+        return [responses.chunk(job, choice.index, choice.prompt.text, None, None, lp)]
+
+    def _echo_prefix(self, choice: ChoiceResult) -> str:
+        return choice.prompt.text if self._job.echo else ""
