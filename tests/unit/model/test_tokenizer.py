@@ -155,3 +155,54 @@ def test_multibyte_characters_split_across_tokens_are_held_back(tokenizer: Token
     ids = tokenizer.encode("中", add_special_tokens=False)
     assert len(ids) == 3
     assert _stream(tokenizer, ids) == ["", "", "中", ""]
+
+
+# A Hermes-style template in the shape Qwen 2.5's takes (tools listed in the system turn, calls
+# and results in tags), written for this test.
+HERMES_STYLE = (
+    "{%- if tools %}<|im_start|>system\n"
+    "{{ messages[0]['content'] if messages[0]['role'] == 'system' else 'You are helpful.' }}"
+    "\n\n# Tools\n<tools>"
+    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools>\n"
+    'Call one as <tool_call>\n{"name": <name>, "arguments": <args>}\n</tool_call><|im_end|>\n'
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and tools %}"
+    "{%- elif message['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n"
+    "{{ message['content'] }}\n</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] or '' }}"
+    "{%- for call in message['tool_calls'] or [] %}\n<tool_call>\n"
+    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}'
+    "\n</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather <in> a city & region",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Zürich?"},
+    {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
+     "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny <b>"},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("template", ["tiny", "hermes-style"])
+def test_tools_render_as_transformers_renders_them(
+    tiny_model_path: Path, tmp_path: Path, template: str
+) -> None:
+    from transformers import AutoTokenizer
+
+    folder = (
+        _copy(tiny_model_path, tmp_path / "t", chat_template=HERMES_STYLE)
+        if template == "hermes-style"
+        else tiny_model_path
+    )
+    ours = Tokenizer(folder).apply_chat_template(CONVERSATION, True, tools=TOOLS)
+    theirs = AutoTokenizer.from_pretrained(folder).apply_chat_template(
+        CONVERSATION, tools=TOOLS, tokenize=False, add_generation_prompt=True
+    )
+    assert ours == theirs
+    assert '"city": "Zürich"' in ours and "Weather <in> a city & region" in ours
