@@ -27,11 +27,13 @@ run: install
 	$(PY) -m pdserve up
 
 # Outside OpenAI clients the tests drive against `pdserve up` (tests/clients): guidellm and
-# aiperf, pinned, each in its own venv under .venv-clients/ (gitignored, built once, reused
-# while the pins are unchanged). torch CPU goes into guidellm's venv first, so guidellm's torch
-# requirement never pulls a CUDA build.
+# aiperf, and the agent frameworks (LangChain's OpenAI binding, the OpenAI Agents SDK; one venv,
+# neither pulls torch), pinned, each in its own venv under .venv-clients/ (gitignored, built
+# once, reused while the pins are unchanged). torch CPU goes into guidellm's venv first, so
+# guidellm's torch requirement never pulls a CUDA build.
 GUIDELLM := guidellm==0.8.1
 AIPERF := aiperf==0.13.0
+AGENTS := langchain-openai==1.8.1 openai-agents==0.24.0
 CLIENTS := .venv-clients
 
 $(CLIENTS)/guidellm/.installed:
@@ -45,11 +47,17 @@ $(CLIENTS)/aiperf/.installed:
 	$(CLIENTS)/aiperf/bin/python -m pip install -q '$(AIPERF)'
 	echo '$(AIPERF)' > $@
 
+$(CLIENTS)/agents/.installed:
+	rm -rf $(CLIENTS)/agents && python3 -m venv $(CLIENTS)/agents
+	$(CLIENTS)/agents/bin/python -m pip install -q $(AGENTS)
+	echo '$(AGENTS)' > $@
+
 # A changed pin rebuilds that venv.
 client-venvs:
 	@grep -qxF '$(GUIDELLM)' $(CLIENTS)/guidellm/.installed 2>/dev/null || rm -f $(CLIENTS)/guidellm/.installed
 	@grep -qxF '$(AIPERF)' $(CLIENTS)/aiperf/.installed 2>/dev/null || rm -f $(CLIENTS)/aiperf/.installed
-	$(MAKE) $(CLIENTS)/guidellm/.installed $(CLIENTS)/aiperf/.installed
+	@grep -qxF '$(AGENTS)' $(CLIENTS)/agents/.installed 2>/dev/null || rm -f $(CLIENTS)/agents/.installed
+	$(MAKE) $(CLIENTS)/guidellm/.installed $(CLIENTS)/aiperf/.installed $(CLIENTS)/agents/.installed
 
 test: install system-deps client-venvs
 	$(PY) -m ruff check pdserve pdlab tests benchmarks

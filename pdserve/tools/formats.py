@@ -45,9 +45,12 @@ class ToolFormat:
     # Tokens that may stand before the first call (Llama's `<|python_tag|>`), skipped.
     preamble: tuple[str, ...] = ()
 
-    def grammar(self, tools: Sequence[FunctionTool], parallel: bool) -> str:
+    def grammar(
+        self, tools: Sequence[FunctionTool], parallel: bool, answer: dict[str, Any] | None = None
+    ) -> str:
         """A Lark grammar whose outputs are one call (or, with `parallel`, one or more) of
-        `tools`, each call's arguments valid under its function's schema."""
+        `tools`, each call's arguments valid under its function's schema; with `answer` (a
+        JSON schema), that JSON is the other way to answer."""
         rules = []
         alternatives = []
         for i, tool in enumerate(tools):
@@ -57,8 +60,11 @@ class ToolFormat:
             )
             rules.append(f"args_{i}: %json {json.dumps(_compact(tool.parameters))}")
             alternatives.append(f"call_{i}")
-        start = f"start: call ({_literal(self.separator)} call)*" if parallel else "start: call"
-        return "\n".join([start, "call: " + " | ".join(alternatives), *rules]) + "\n"
+        calls = f"call ({_literal(self.separator)} call)*" if parallel else "call"
+        if answer is not None:
+            rules.append(f"answer: %json {json.dumps(_compact(answer))}")
+            calls += " | answer"
+        return "\n".join([f"start: {calls}", "call: " + " | ".join(alternatives), *rules]) + "\n"
 
 
 def _compact(schema: dict[str, Any]) -> dict[str, Any]:

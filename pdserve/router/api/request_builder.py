@@ -93,7 +93,8 @@ class RequestBuilder:
             raise InvalidRequest("best_of: must equal n when streaming", "best_of")
         # best_of ranks samples by total logprob: they are needed even if not returned.
         logprobs = body.logprobs if best_of == body.n else max(body.logprobs or 0, 0)
-        sampling = self._sampling(body, max_tokens, logprobs, body.logprobs if body.echo else None)
+        prompt_logprobs = body.logprobs if body.echo else None
+        sampling = self._sampling(body, max_tokens, logprobs, self._grammar(body), prompt_logprobs)
         for p in prompts:
             self._check_context(p, max_tokens, "prompt")
         return self._job("completion", "cmpl", body, prompts, sampling, best_of,
@@ -103,7 +104,8 @@ class RequestBuilder:
         """A POST /v1/chat/completions body as a job (`request_id`: its id, else a new one)."""
         body = self._validate(data, ChatCompletionRequest, "chat")
         tools = tool_request(body)
-        forced = self._tool_grammars.check(tools) if tools is not None else None
+        answer = self._grammar(body)
+        grammar = self._tool_grammars.check(tools, answer) if tools is not None else answer
         try:
             ids = self._tokenizer.encode_chat(
                 template_messages(_message_dicts(body)),
@@ -121,8 +123,7 @@ class RequestBuilder:
         if body.top_logprobs is not None and not body.logprobs:
             raise InvalidRequest("top_logprobs: needs logprobs set to true", "top_logprobs")
         top = (body.top_logprobs or 0) if body.logprobs else None
-        grammar = ("tool_choice", forced) if forced is not None else None
-        sampling = self._sampling(body, max_tokens, top, None, limit, grammar)
+        sampling = self._sampling(body, max_tokens, top, grammar, None, limit)
         self._check_context(prompt, max_tokens, "messages", limit)
         job = self._job("chat", "chatcmpl", body, [prompt], sampling, body.n, top, False, False)
         job.request_id = request_id or job.request_id
@@ -182,9 +183,9 @@ class RequestBuilder:
         body: SamplingFields,
         max_tokens: int,
         logprobs: int | None,
-        prompt_logprobs: int | None,
+        grammar: GrammarSpec | None,
+        prompt_logprobs: int | None = None,
         limit_param: str = "max_tokens",
-        grammar: tuple[str, GrammarSpec] | None = None,
     ) -> SamplingModel:
         if body.seed is not None and not 0 <= body.seed < _SEED_LIMIT:
             raise InvalidRequest(f"seed: must be in [0, 2**63), got {body.seed}", "seed")
@@ -208,7 +209,7 @@ class RequestBuilder:
                 logit_bias=self._logit_bias(body.logit_bias),
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
-                grammar=self._grammar(body, grammar),
+                grammar=grammar,
             )
         except SamplingParamsError as exc:
             field, _, rest = str(exc).partition(":")
@@ -239,11 +240,9 @@ class RequestBuilder:
         self._token_ids([t for t, _ in pairs], "logit_bias")
         return tuple(sorted(pairs))
 
-    def _grammar(
-        self, body: SamplingFields, checked: tuple[str, GrammarSpec] | None
-    ) -> GrammarSpec | None:
-        # `checked`: a grammar already compiled by its caller (a forced tool call).
-        specs: list[tuple[str, GrammarSpec]] = [checked] if checked is not None else []
+    def _grammar(self, body: SamplingFields) -> GrammarSpec | None:
+        """The structured output the body asks for, compiled once (400 naming the field)."""
+        specs: list[tuple[str, GrammarSpec]] = []
         fmt = body.response_format
         if fmt is not None and fmt.type == "json_object":
             specs.append(
@@ -277,8 +276,6 @@ class RequestBuilder:
             names = ", ".join(name for name, _ in specs)
             raise InvalidRequest(f"{specs[1][0]}: only one of {names} may be given", specs[1][0])
         param, spec = specs[0]
-        if checked is not None:
-            return spec
         try:
             self._grammars.check(spec)
         except (GrammarError, GrammarUnavailable) as exc:

@@ -4,11 +4,14 @@ Every refusal is a 400 naming the field: a name OpenAI would not take or given t
 parameters that are not a JSON-schema object or that the grammar library cannot compile (each
 tool's schema is compiled, whatever the choice, so a tool that could never be forced is refused
 up front), a `tool_choice` that needs tools when there are none, or names a tool not listed.
-`required` and a named choice become a grammar in the router's call format (`tools.formats`).
+`required` and a named choice become a grammar in the router's call format (`tools.formats`);
+`auto` with a JSON structured output, a grammar of calls or that JSON (so an agent with a
+typed final answer can still call tools), as OpenAI serves the two together.
 """
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 
 from pdserve.engine.grammar import GrammarCompiler
@@ -75,15 +78,26 @@ class ToolGrammars:
         self.format = fmt
         self._checked: OrderedDict[str, None] = OrderedDict()
 
-    def check(self, tools: ToolRequest) -> GrammarSpec | None:
-        """Compile each tool's schema (InvalidRequest naming the first that fails); the
-        grammar forcing a call when the choice is `required` or named, else None."""
+    def check(self, tools: ToolRequest, answer: GrammarSpec | None) -> GrammarSpec | None:
+        """The grammar of a request with `tools` whose text answer must follow `answer` (its
+        structured output, or None). Each tool's schema is compiled (InvalidRequest naming
+        the first that fails). A forced choice is a grammar of calls (the text answer never
+        comes); `auto` with a JSON answer, calls or that JSON; otherwise the answer's own."""
         for i, tool in enumerate(tools.tools):
             spec = GrammarSpec(GrammarKind.GRAMMAR, self.format.grammar([tool], parallel=False))
             self._compile(spec, f"tools[{i}].function.parameters", "tools")
-        if not tools.choice.forced:
-            return None
-        text = self.format.grammar(tools.callable_tools(), tools.parallel)
+        if tools.choice.forced:
+            text = self.format.grammar(tools.callable_tools(), tools.parallel)
+        elif tools.choice.kind is ChoiceKind.AUTO and answer is not None:
+            if answer.kind is not GrammarKind.JSON_SCHEMA:
+                raise InvalidRequest(
+                    "tool_choice: auto combines with a JSON response_format or guided_json"
+                    f" only, not {answer.kind.value}",
+                    "tool_choice",
+                )
+            text = self.format.grammar(tools.tools, tools.parallel, json.loads(answer.source))
+        else:
+            return answer
         spec = GrammarSpec(GrammarKind.GRAMMAR, text)
         self._compile(spec, "tool_choice", "tool_choice")
         return spec

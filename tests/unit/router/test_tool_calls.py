@@ -199,8 +199,8 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "search", "argu
          "messages[0].tool_calls[0].function.arguments: not valid JSON"),
         ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages",
          "only assistant messages carry tool calls"),
-        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
-         "only one of"),
+        ({"tool_choice": "auto", "guided_regex": "a+"}, "tool_choice",
+         "combines with a JSON response_format or guided_json only"),
     ],
 )  # fmt: skip
 def test_malformed_tool_requests_are_refused_by_field(
@@ -234,5 +234,27 @@ def test_a_conversation_with_calls_and_results_renders(tiny_model_path: Path) ->
                 "/v1/chat/completions", json=chat(max_tokens=2, messages=messages)
             )
             assert resp.status == 200, await resp.text()
+
+    run(body)
+
+
+def test_a_typed_answer_combines_with_tools(tiny_model_path: Path, tokenizer: Tokenizer) -> None:
+    """An agent's typed final answer (`response_format`) with tools: a forced choice is calls
+    only; `auto` is calls or that JSON; `none` is the JSON alone."""
+    worker = emitting(tokenizer, '{"a": 1}')
+    schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "object", "properties": {"a": {"type": "integer"}}}}}  # fmt: skip
+
+    async def body() -> None:
+        async with router(tiny_model_path, [worker], mode="colocated") as client:
+            for choice in ("required", "auto", "none"):
+                req = chat(max_tokens=len(worker.tokens), tool_choice=choice,
+                           response_format=schema)  # fmt: skip
+                resp = await client.post("/v1/chat/completions", json=req)
+                assert resp.status == 200, await resp.text()
+            required, auto, none = (s.grammar for s in worker.samplings)
+            assert required is not None and "answer" not in required.source
+            assert auto is not None and "answer: %json" in auto.source and "call_0" in auto.source
+            assert none is not None and none.kind == GrammarKind.JSON_SCHEMA.value
 
     run(body)

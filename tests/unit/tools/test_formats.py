@@ -87,3 +87,13 @@ def test_what_a_grammar_forces_the_parser_reads(fmt: ToolFormat) -> None:
     for c in (c for d in deltas for c in d.calls):
         args[c.index] = args.get(c.index, "") + c.arguments
     assert [json.loads(args[i]) for i in range(2)] == [a for _, a in calls]
+
+
+def test_auto_with_a_json_answer_takes_a_call_or_that_json(tokenizer: Tokenizer) -> None:
+    fmt = FORMATS["hermes"]
+    answer = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    grammar = fmt.grammar([WEATHER], parallel=True, answer=answer)
+    assert accepts(tokenizer, grammar, call_text(fmt, [("get_weather", {"city": "Paris"})]))
+    assert accepts(tokenizer, grammar, '{"ok":true}')
+    assert not accepts(tokenizer, grammar, '{"ok":1}')
+    assert not accepts(tokenizer, grammar, "plain text")
