@@ -1,4 +1,4 @@
-"""`pdserve bench engine|serve|transfer|multiturn|gpu-check`: benchmarks that print a table
+"""`pdserve bench engine|serve|transfer|multiturn|agents|gpu-check`: benchmarks that print a table
 and write JSON with ratios, both sides measured in the same run.
 
 Light at import (argparse only); each benchmark's code is imported when it runs.
@@ -11,7 +11,10 @@ from collections.abc import Sequence
 
 from pdserve.cli.command import DEVICES, DTYPES, add_model_flags, positive_int, run
 
-HELP = "benchmarks that print a table and ratios (engine, serve, transfer, multiturn, gpu-check)"
+HELP = (
+    "benchmarks that print a table and ratios"
+    " (engine, serve, transfer, multiturn, agents, gpu-check)"
+)
 
 # `--model-shape` choices: "tiny" and `model_shapes.SHAPES`, spelled out here so the parser
 # builds without importing torch; a unit test keeps them equal.
@@ -60,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     from pdlab.bench.multiturn import add_arguments
 
     add_arguments(bm)
+    ba = bsub.add_parser(
+        "agents", help="tool-using agent sessions: round-robin vs affinity (hit rate, TTFT)"
+    )
+    from pdlab.bench.agents import add_arguments as add_agents_arguments
+
+    add_agents_arguments(ba)
     bs = bsub.add_parser(
         "serve", help="Poisson load per rate: goodput under TTFT/TPOT SLOs, disagg vs colocated"
     )
@@ -86,6 +95,10 @@ def _bench(args: argparse.Namespace) -> int:
         from pdserve.advise.goodput import run_serve_bench
 
         return run_serve_bench(args)
+    if args.bench == "agents":
+        from pdlab.bench.agents import run_agents_bench
+
+        return run_agents_bench(args)
     if args.bench == "multiturn":
         from pdlab.bench.multiturn import run_multiturn_bench
 

@@ -45,9 +45,10 @@ from pathlib import Path
 
 import aiohttp
 
+from pdlab.bench.local_clusters import local_clusters
 from pdserve.errors import ConfigError
 from pdserve.observability.exposition import parse as parse_exposition
-from pdserve.supervise.launcher import Cluster, UpConfig
+from pdserve.supervise.launcher import UpConfig
 
 ROUTINGS: dict[str, tuple[str, ...]] = {
     "round_robin": ("--routing", "round_robin"),
@@ -317,30 +318,21 @@ async def _run_all(
 def run_routings(config: MultiTurnConfig) -> list[RoutingResult]:
     """Start one cluster per routing, run the chats interleaved, stop every cluster."""
     workdir = Path(os.environ.get("TMPDIR", "/tmp"))
-    started: list[Cluster] = []
-    try:
-        endpoints: dict[str, tuple[list[str], str, list[str]]] = {}
-        for routing in config.routings:
-            up = UpConfig(
-                num_prefill=config.num_prefill,
-                num_decode=config.num_decode,
-                port=0,
-                block_size=config.block_size,
-                router_args=ROUTINGS[routing],
-                num_routers=NUM_ROUTERS.get(routing, 1),
-                state_file=workdir / f"pdserve-bench-multiturn-{os.getpid()}-{routing}.json",
-            )
-            cluster = Cluster(up)
-            started.append(cluster)
-            router = cluster.start()
-            with urllib.request.urlopen(f"{router}/v1/models", timeout=10) as resp:
-                model = str(json.loads(resp.read())["data"][0]["id"])
-            workers = list(cluster.worker_urls)
-            endpoints[routing] = (list(cluster.router_urls), model, workers)
+    configs = {
+        routing: UpConfig(
+            num_prefill=config.num_prefill,
+            num_decode=config.num_decode,
+            port=0,
+            block_size=config.block_size,
+            router_args=ROUTINGS[routing],
+            num_routers=NUM_ROUTERS.get(routing, 1),
+            state_file=workdir / f"pdserve-bench-multiturn-{os.getpid()}-{routing}.json",
+        )
+        for routing in config.routings
+    }
+    with local_clusters(configs) as clusters:
+        endpoints = {name: (e.routers, e.model, e.workers) for name, e in clusters.items()}
         return asyncio.run(_run_all(config, endpoints))
-    finally:
-        for cluster in started:
-            cluster.stop()
 
 
 def render_table(results: list[RoutingResult]) -> str:

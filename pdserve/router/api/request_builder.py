@@ -15,7 +15,7 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -36,6 +36,7 @@ from pdserve.router.api import field_policy
 from pdserve.router.api.json_body import validate
 from pdserve.router.api.openai_models import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     SamplingFields,
 )
@@ -108,7 +109,7 @@ class RequestBuilder:
         grammar = self._tool_grammars.check(tools, answer) if tools is not None else answer
         try:
             ids = self._tokenizer.encode_chat(
-                template_messages(_message_dicts(body)),
+                template_messages(message_dicts(body.messages)),
                 body.add_generation_prompt,
                 tools=[t.template_form() for t in tools.tools] if tools is not None else None,
             )
@@ -328,10 +329,10 @@ class RequestBuilder:
         )
 
 
-def _message_dicts(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+def message_dicts(chat: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     """The chat's messages as plain dicts, text parts joined; other part types refused."""
     messages: list[dict[str, Any]] = []
-    for i, m in enumerate(body.messages):
+    for i, m in enumerate(chat):
         for j, part in enumerate(m.content if isinstance(m.content, list) else []):
             if part.type != "text" or part.text is None:
                 raise InvalidRequest(

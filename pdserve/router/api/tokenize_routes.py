@@ -11,7 +11,6 @@ worker is involved.
 from __future__ import annotations
 
 from importlib import metadata
-from typing import Any
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
@@ -19,7 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from pdserve.errors import InvalidRequest, ModelConfigError
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.router.api.json_body import read_object, validate
-from pdserve.router.api.openai_models import ChatMessage
+from pdserve.router.api.openai_models import ChatMessage, ToolDefinition
+from pdserve.router.api.request_builder import message_dicts
+from pdserve.router.api.tool_request import function_tools
+from pdserve.tools.messages import template_messages
 
 
 class _Body(BaseModel):
@@ -33,6 +35,8 @@ class TokenizeRequest(_Body):
 
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    # With messages: the tools the chat template renders (as /v1/chat/completions does).
+    tools: list[ToolDefinition] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -86,11 +90,14 @@ class TokenizeApi:
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequest("prompt: give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
-            messages: list[dict[str, Any]] = [
-                {"role": m.role, "content": m.text() or ""} for m in body.messages
-            ]
+            # The prompt /v1/chat/completions would build: tool calls, results and tools too.
+            messages = template_messages(message_dicts(body.messages))
+            tools = [t.template_form() for t in function_tools(body.tools or [])]
+            extra = {"tools": tools} if tools else {}
             try:
-                text = self._tokenizer.apply_chat_template(messages, body.add_generation_prompt)
+                text = self._tokenizer.apply_chat_template(
+                    messages, body.add_generation_prompt, **extra
+                )
             except ModelConfigError as exc:
                 raise InvalidRequest(f"messages: {exc}", "messages") from exc
             # The template writes its own special tokens (as vLLM's default for messages).

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from pdserve.engine.grammar import GrammarCompiler
 from pdserve.errors import GrammarError, GrammarUnavailable, InvalidRequest
 from pdserve.protocol.sampling import GrammarKind, GrammarSpec
-from pdserve.router.api.openai_models import ChatCompletionRequest, NamedToolChoice
+from pdserve.router.api.openai_models import ChatCompletionRequest, NamedToolChoice, ToolDefinition
 from pdserve.tools.formats import ToolFormat
 from pdserve.tools.spec import NAME_PATTERN, ChoiceKind, FunctionTool, ToolChoice, ToolRequest
 
@@ -27,8 +28,18 @@ _CACHE_SIZE = 256
 
 def tool_request(body: ChatCompletionRequest) -> ToolRequest | None:
     """The request's tools and how they may be used; None when none may be called."""
+    tools = function_tools(body.tools or [])
+    choice = _choice(body.tool_choice, {t.name for t in tools})
+    if not tools:
+        return None
+    parallel = body.parallel_tool_calls and choice.kind is not ChoiceKind.NAMED
+    return ToolRequest(tools, choice, parallel)
+
+
+def function_tools(entries: Sequence[ToolDefinition]) -> tuple[FunctionTool, ...]:
+    """`tools` checked: names OpenAI takes, each once, parameters a JSON-schema object."""
     tools: list[FunctionTool] = []
-    for i, entry in enumerate(body.tools or []):
+    for i, entry in enumerate(entries):
         function = entry.function
         where = f"tools[{i}].function"
         if not NAME_PATTERN.fullmatch(function.name):
@@ -45,11 +56,7 @@ def tool_request(body: ChatCompletionRequest) -> ToolRequest | None:
                 f"{where}.parameters: must be a JSON schema of type object", "tools"
             )
         tools.append(FunctionTool(function.name, function.description, parameters))
-    choice = _choice(body.tool_choice, {t.name for t in tools})
-    if not tools:
-        return None
-    parallel = body.parallel_tool_calls and choice.kind is not ChoiceKind.NAMED
-    return ToolRequest(tuple(tools), choice, parallel)
+    return tuple(tools)
 
 
 def _choice(raw: str | NamedToolChoice | None, names: set[str]) -> ToolChoice:

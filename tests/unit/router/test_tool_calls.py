@@ -258,3 +258,25 @@ def test_a_typed_answer_combines_with_tools(tiny_model_path: Path, tokenizer: To
             assert none is not None and none.kind == GrammarKind.JSON_SCHEMA.value
 
     run(body)
+
+
+def test_tokenize_gives_the_prompt_a_chat_with_tools_runs(tiny_model_path: Path) -> None:
+    worker = FakeWorker("both", [300, 301])
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+
+    async def body() -> None:
+        async with router(tiny_model_path, [worker], mode="colocated") as client:
+            req = chat(max_tokens=2, messages=messages)
+            assert (await client.post("/v1/chat/completions", json=req)).status == 200
+            resp = await client.post(
+                "/tokenize", json={"model": "tiny-v2", "messages": messages, "tools": req["tools"]}
+            )
+            generate = worker.bodies[0]
+            assert isinstance(generate, GenerateRequest)
+            assert (await resp.json())["tokens"] == generate.prompt_token_ids
+
+    run(body)
