@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from fake_worker import FakeWorker
+from openai_cases import TOOLS
 from router_harness import router, run
 
 from pdserve.model.tokenizer import Tokenizer
@@ -18,18 +19,7 @@ from pdserve.protocol.sampling import GrammarKind
 from pdserve.protocol.worker_api import GenerateRequest
 from pdserve.router.api import sse
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"enum": ["Paris", "Tokyo"]}},
-            "required": ["city"],
-        },
-    },
-}
+WEATHER = TOOLS[0]  # get_weather(city, days), described "Weather in a city"
 SEARCH = {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}
 OUTPUT = (
     'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
@@ -220,24 +210,6 @@ def test_malformed_tool_requests_are_refused_by_field(
     run(body)
 
 
-def test_a_conversation_with_calls_and_results_renders(tiny_model_path: Path) -> None:
-    worker = FakeWorker("both", [300, 301])
-    messages = [
-        {"role": "user", "content": "Weather?"},
-        {"role": "assistant", "content": None, "tool_calls": [CALL]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
-    ]
-
-    async def body() -> None:
-        async with router(tiny_model_path, [worker], mode="colocated") as client:
-            resp = await client.post(
-                "/v1/chat/completions", json=chat(max_tokens=2, messages=messages)
-            )
-            assert resp.status == 200, await resp.text()
-
-    run(body)
-
-
 def test_a_typed_answer_combines_with_tools(tiny_model_path: Path, tokenizer: Tokenizer) -> None:
     """An agent's typed final answer (`response_format`) with tools: a forced choice is calls
     only; `auto` is calls or that JSON; `none` is the JSON alone."""
@@ -261,6 +233,7 @@ def test_a_typed_answer_combines_with_tools(tiny_model_path: Path, tokenizer: To
 
 
 def test_tokenize_gives_the_prompt_a_chat_with_tools_runs(tiny_model_path: Path) -> None:
+    """A conversation with a call and its result runs, and /tokenize gives its exact prompt."""
     worker = FakeWorker("both", [300, 301])
     messages = [
         {"role": "user", "content": "Weather?"},
