@@ -9,8 +9,9 @@ automatic mode and live figures), `GET /metrics` (Prometheus), `POST /admin/mode
 Life cycle: `create_app` must run inside the event loop (it opens the one shared
 `aiohttp.ClientSession`); startup polls every worker once, then keeps polling; cleanup stops
 polling and closes the session. Every error becomes an OpenAI-style body with its status (400
-bad request, 401 missing key, 503 + Retry-After no capacity, 502 worker failure, 504 timeout),
-so one bad request never takes the router down.
+bad request, 401 missing key, 503 + Retry-After when no worker could serve it, whether none
+had room or every worker tried failed past what recovery absorbs; 504 timeout), so one bad
+request never takes the router down.
 """
 
 from __future__ import annotations
@@ -310,8 +311,9 @@ class ErrorReply:
 
 
 def error_reply(exc: BaseException, request_timeout_s: float) -> ErrorReply:
-    """The client's answer for `exc` (pure). A worker's fault is never a 500: 502 (it failed
-    or vanished), 503 + Retry-After (no room), 504 (out of time); 500 is a router bug only."""
+    """The client's answer for `exc` (pure). A worker's answer is never a 500 or a 502: 400
+    (the request itself), 504 (out of time), else 503 + Retry-After (no room, or the workers
+    failed past what recovery absorbs: worth a retry); 500 is a router bug only."""
     if isinstance(exc, InvalidRequest):
         extra: dict[str, str | None] = {"param": exc.param, "code": exc.code}
         return ErrorReply(400, exc.message, "invalid_request_error", extra)
@@ -320,13 +322,11 @@ def error_reply(exc: BaseException, request_timeout_s: float) -> ErrorReply:
     if isinstance(exc, WorkerCallError):
         if exc.status == 400:
             return ErrorReply(400, exc.body.error, "invalid_request_error", {"code": exc.body.type})
-        if exc.status == 503:
-            return ErrorReply(503, str(exc), "server_error", {"retry_after": "1"})
         if exc.body.type == "DeadlineExceeded":
             return ErrorReply(504, str(exc), "timeout", {})
-        return ErrorReply(502, str(exc), "server_error", {})
+        return ErrorReply(503, str(exc), "server_error", {"retry_after": "1"})
     if isinstance(exc, WorkerUnreachable):
-        return ErrorReply(502, str(exc), "server_error", {})
+        return ErrorReply(503, str(exc), "server_error", {"retry_after": "1"})
     if isinstance(exc, TimeoutError):
         return ErrorReply(504, f"request timed out after {request_timeout_s} s", "timeout", {})
     return ErrorReply(500, "internal router error (see the router log)", "server_error", {})

@@ -90,7 +90,7 @@ def test_failed_prefill_releases_the_reservation(model: Path, tokens: list[int])
     async def body() -> None:
         async with router(model, [prefill, decode]) as client:
             resp = await client.post("/v1/completions", json=completion())
-            assert resp.status == 502
+            assert resp.status == 503 and resp.headers["Retry-After"] == "1"
             assert decode.paths() == ["/reserve", "/release"]
             assert decode.reserved == {}
 

@@ -84,7 +84,7 @@ def test_no_recovery_steps_fail_the_request_with_a_typed_error(
         async with router(tiny_model_path, [p, d], recovery=RecoveryConfig(steps=())) as client:
             resp = await client.post("/v1/completions", json=completion(5))
             data = await resp.json()
-            assert resp.status == 502
+            assert resp.status == 503 and resp.headers["Retry-After"] == "1"
             assert "KVNotReady" in data["error"]["message"]
             assert "/generate" not in d.paths() and d.reserved == {}
 
