@@ -383,7 +383,14 @@ async def create_app(config: RouterConfig) -> web.Application:
             reservation_key=config.reservation_key,
             queue=queue,
         ),
-        "colocated": ColocatedFlow(pool, client, affinity, on_end=queue.notify),
+        "colocated": ColocatedFlow(
+            pool,
+            client,
+            affinity,
+            on_end=queue.notify,
+            queue=queue,
+            queue_timeout_s=config.recovery.queue_timeout_s,
+        ),
     }
     breaker = CircuitBreaker(config.breaker, MonotonicClock())
     metrics = RouterMetrics(breaker=breaker, workers=lambda: metrics_mod.worker_gauges(pool))

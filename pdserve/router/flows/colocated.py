@@ -4,7 +4,9 @@
       → FINISHED
 
 Until W sends its first line nothing reached the client, so a retryable failure there (W full:
-503, W unreachable) moves to RETRYING and the next worker is tried; none left → NoCapacity.
+503, W unreachable) moves to RETRYING and the next worker is tried; none left (or none up) →
+the capacity queue, woken when room frees or a worker answers again, then every worker once
+more; the queue's time up → NoCapacity.
 After the first line a failure ends the request. Closing the stream early releases the request
 on W. W is chosen by the affinity policy among `both` workers (cached prefix, session, load),
 and a finished request is recorded there, so conversations stay on their worker.
@@ -12,6 +14,7 @@ and a finished request is recorded there, so conversations stay on their worker.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Callable
 
@@ -21,6 +24,7 @@ from pdserve.protocol.request_state import RequestState as S
 from pdserve.protocol.worker_api import ErrorBody, GenerateRequest, TokenEvent
 from pdserve.router.config import AffinityConfig
 from pdserve.router.flows import progress
+from pdserve.router.flows.capacity_queue import CapacityQueue
 from pdserve.router.flows.flow import FlowRequest, TokenChunk
 from pdserve.router.placement.affinity import AffinityPolicy, RouteQuery
 from pdserve.router.workers.client import WorkerClient
@@ -36,9 +40,13 @@ class ColocatedFlow:
         client: WorkerClient,
         affinity: AffinityPolicy | None = None,
         on_end: Callable[[], None] | None = None,
+        queue: CapacityQueue | None = None,
+        queue_timeout_s: float = 0.0,
     ) -> None:
         self._pool = pool
         self._client = client
+        self._queue = queue
+        self._queue_timeout_s = queue_timeout_s
         # Told when a request ends (its blocks are free again: the capacity queue listens).
         self._on_end = on_end
         # Placement (shared with the disaggregated flow, so a conversation keeps its worker
@@ -55,6 +63,18 @@ class ColocatedFlow:
             if self._on_end is not None:
                 self._on_end()
 
+    async def _wait(self, detail: str, deadline: float) -> bool:
+        """Wait in the capacity queue for room or a worker back; False once `deadline` passed
+        (or there is no queue)."""
+        if self._queue is None or asyncio.get_running_loop().time() >= deadline:
+            return False
+        async with self._queue.join(detail) as waiter:
+            try:
+                await waiter.next_chance(deadline)
+            except TimeoutError:
+                return False
+        return True
+
     async def _stream(self, request: FlowRequest) -> AsyncGenerator[TokenChunk, None]:
         timeline = request.timeline
         tried: set[str] = set()
@@ -65,13 +85,18 @@ class ColocatedFlow:
             self._affinity.next_ticket(),
         )
         output: list[int] = []
+        queue_deadline = asyncio.get_running_loop().time() + self._queue_timeout_s
         while True:
             ranked = self._affinity.rank_colocated(self._pool.snapshot(), query, exclude=tried)
             if not ranked:
-                exc = NoCapacity(
+                detail = (
                     f"no colocated (role both) worker accepted {request.request_id}"
                     f" (tried {sorted(tried)})"
                 )
+                if await self._wait(detail, min(queue_deadline, request.deadline)):
+                    tried.clear()
+                    continue
+                exc = NoCapacity(f"{detail}; waited {self._queue_timeout_s} s in the queue")
                 progress.failed(timeline, str(exc))
                 raise exc
             url = ranked[0].url

@@ -3,8 +3,9 @@ room, and keeping a reservation alive while its prefill runs.
 
     pick a pair   the best decode worker (not yet tried) that has a compatible prefill worker
     reserve       POST D/reserve; refused → RETRYING(reserve_refused) → the next pair
-    all refused   for room: the capacity queue (FIFO, woken when room may be back), then
-                  another round; nothing reachable, or the queue's time is up: NoCapacity (503)
+    all refused   or none up: the capacity queue (FIFO, woken when room may be back or a
+                  worker answers again), then another round; the queue's time is up:
+                  NoCapacity (503 + Retry-After)
     renew         POST D/renew every TTL/3 while P prefills; once the KV flows, its bytes renew
 
 Invariant 5 (reserve before prefill): this module only reserves; a refused reservation never
@@ -80,15 +81,18 @@ class Reserver:
     ) -> Leg:
         """Reserve on the best decode worker that has a prefill partner; the next on refusal;
         the capacity queue when every one refused for room. NoCapacity when none will do."""
-        leg, refused_for_capacity, tried = await self._round(request, query, rid, skip_prefill)
+        leg, _, tried = await self._round(request, query, rid, skip_prefill)
         if leg is not None:
             return leg
         detail = (
             f"no decode worker with a compatible prefill worker accepted {rid}"
             f" (tried {sorted(tried)})"
         )
-        if not refused_for_capacity or self._queue_timeout_s <= 0:
+        if self._queue_timeout_s <= 0:
             raise NoCapacity(detail)
+        # Wait in line, whether the workers refused for room or none is up or reachable (a
+        # partition, a restart): room that frees and a worker that answers again both wake
+        # the queue, so the request is served as soon as either happens, within its time.
         loop = asyncio.get_running_loop()
         deadline = min(loop.time() + self._queue_timeout_s, request.deadline)
         async with self.queue.join(detail) as waiter:
@@ -99,13 +103,9 @@ class Reserver:
                     raise NoCapacity(
                         f"{detail}; waited {self._queue_timeout_s} s in the queue"
                     ) from None
-                leg, refused_for_capacity, tried = await self._round(
-                    request, query, rid, skip_prefill
-                )
+                leg, _, tried = await self._round(request, query, rid, skip_prefill)
                 if leg is not None:
                     break
-                if not refused_for_capacity:
-                    raise NoCapacity(f"{detail}; no decode worker is reachable")
         self.queue.notify()  # there was room: the next in line may find some too
         return leg
 

@@ -117,9 +117,10 @@ class WorkerClient:
             if not calls and self._calls.get(url) is calls:
                 del self._calls[url]
 
-    async def health(self, url: str) -> WorkerHealth:
-        """GET /health."""
-        return await self._get(url, "/health", WorkerHealth, self._timeouts.health_s)
+    async def health(self, url: str, timeout_s: float | None = None) -> WorkerHealth:
+        """GET /health (within `timeout_s`, else the health timeout)."""
+        limit = self._timeouts.health_s if timeout_s is None else timeout_s
+        return await self._get(url, "/health", WorkerHealth, limit)
 
     async def debug_events(self, url: str, request_id: str) -> WorkerEvents:
         """GET /debug/requests/{id}: the worker's timeline events for a router request."""

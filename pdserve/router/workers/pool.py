@@ -9,9 +9,13 @@ worker that left keeps its call; if the worker is gone the call fails and the fl
 failover (re-prefill, migration) takes over, exactly as for any dead worker.
 
 Life cycle: `start()` starts the membership, polls every worker once (so the first request
-already has a view) and then keeps a background task polling every `poll_interval_s`; a worker
-that joins later is polled at once. `stop()` stops both. A worker whose poll fails is marked
-unhealthy (and so never chosen) until a later poll succeeds. The router reports failures it
+already has a view) and then keeps a background task polling each worker on its own schedule:
+a healthy one every `poll_interval_s`, one that is down every `RECHECK_INTERVAL_S` with a
+short timeout, so a worker that heals (a partition lifted, a pause ended, a restart) is chosen
+again on its first good answer, within about half a second, and a poll hanging on one worker
+never delays another's. A worker that joins later is polled at once. `stop()` stops both. A
+worker whose poll fails is marked unhealthy (and so never chosen) until a later poll succeeds;
+its return wakes the capacity queue, as growing free blocks do. The router reports failures it
 sees on calls with `mark_failed`, which takes a worker out at once instead of waiting for the
 next poll.
 
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -46,6 +51,12 @@ from pdserve.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
+# How often a worker that is down is asked again, and how long such an ask may take: a heal is
+# seen within about their sum (a poll sent into a partition is given up quickly, and the next
+# one opens a fresh connection).
+RECHECK_INTERVAL_S = 0.25
+RECHECK_TIMEOUT_S = 0.5
+
 
 @dataclass(slots=True)
 class _Entry:
@@ -58,6 +69,9 @@ class _Entry:
     clock: ClockSync = field(default_factory=ClockSync)
     # Why the worker is not the router's model (None: it is, or not polled yet).
     model_problem: str | None = None
+    # When its last poll began (loop time), and that poll while it runs.
+    polled_at: float = float("-inf")
+    polling: asyncio.Task[None] | None = None
 
     @property
     def url(self) -> str:
@@ -109,7 +123,8 @@ class WorkerPool:
         """Stop the membership and background polling."""
         if self._membership is not None:
             await self._membership.stop()
-        tasks = [t for t in (self._task, *self._join_polls) if t is not None]
+        polls = [e.polling for e in self._entries.values() if e.polling is not None]
+        tasks = [t for t in (self._task, *self._join_polls, *polls) if t is not None]
         await cancel_and_wait(*tasks)
         self._task = None
         self._join_polls.clear()
@@ -158,9 +173,12 @@ class WorkerPool:
         await asyncio.gather(*(self._poll(e) for e in list(self._entries.values())))
 
     async def _poll(self, entry: _Entry) -> None:
+        entry.polled_at = asyncio.get_running_loop().time()
+        was_healthy = entry.healthy
         try:
             sent_ns = time.monotonic_ns()
-            health = await self._client.health(entry.url)
+            timeout_s = None if was_healthy else RECHECK_TIMEOUT_S
+            health = await self._client.health(entry.url, timeout_s)
             received_ns = time.monotonic_ns()
         except RouterError as exc:
             entry.healthy = False
@@ -184,13 +202,26 @@ class WorkerPool:
         entry.health = health
         entry.healthy = True
         entry.last_error = None
-        if self._on_capacity is not None and before is not None and health.num_free_blocks > before:
+        if not was_healthy and before is not None:
+            log.info("pool: %s answers again", entry.url)
+        grew = before is not None and health.num_free_blocks > before
+        if self._on_capacity is not None and (grew or not was_healthy):
             self._on_capacity()
 
     async def _poll_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        tick = min(self._poll_interval_s, RECHECK_INTERVAL_S)
         while True:
-            await asyncio.sleep(self._poll_interval_s)
-            await self.poll_once()
+            now = loop.time()
+            for entry in list(self._entries.values()):
+                interval = self._poll_interval_s if entry.healthy else RECHECK_INTERVAL_S
+                if entry.polling is None and now - entry.polled_at >= interval:
+                    entry.polled_at = now  # (again as it starts: a poll_once counts too)
+                    entry.polling = asyncio.create_task(
+                        self._poll(entry), name=f"worker-pool-poll {entry.url}"
+                    )
+                    entry.polling.add_done_callback(functools.partial(_done_polling, entry))
+            await asyncio.sleep(tick)
 
     def snapshot(self) -> list[WorkerView]:
         """An immutable view of every member worker for the policy."""
@@ -237,3 +268,7 @@ class WorkerPool:
             yield
         finally:
             entry.num_inflight -= 1
+
+
+def _done_polling(entry: _Entry, task: asyncio.Task[None]) -> None:
+    entry.polling = None

@@ -25,7 +25,7 @@ class StubClient:
         self.abandoned.append(url)
         return 0
 
-    async def health(self, url: str) -> WorkerHealth:
+    async def health(self, url: str, timeout_s: float | None = None) -> WorkerHealth:
         self.polled.append(url)
         if url not in self.up:
             raise WorkerUnreachable(url, "connection refused")
@@ -141,3 +141,34 @@ def test_static_membership_delivers_the_list_once() -> None:
         await static.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_worker_that_answers_again_is_back_on_its_first_good_poll() -> None:
+    """A worker down (a partition, a pause) is asked again every RECHECK_INTERVAL_S, however
+    long the healthy poll interval: back within about half a second of its first answer, and
+    its return wakes whoever waits for capacity."""
+
+    async def body() -> None:
+        client = StubClient({"http://w1": "w1", "http://w2": "w2"})
+        woken: list[int] = []
+        pool = WorkerPool(["http://w1", "http://w2"], client, 60.0,  # type: ignore[arg-type]
+                          on_capacity=lambda: woken.append(1))  # fmt: skip
+        await pool.start()
+        try:
+            del client.up["http://w1"]
+            pool.mark_failed("http://w1", "the stream broke")
+            await until(lambda: client.polled.count("http://w1") >= 3, 5, "rechecks of w1")
+            assert not dict((u, h) for u, _, h in views(pool))["http://w1"]
+            polls_of_w2 = client.polled.count("http://w2")
+            client.up["http://w1"] = "w1"
+            loop = asyncio.get_running_loop()
+            healed = loop.time()
+            await until(lambda: dict((u, h) for u, _, h in views(pool))["http://w1"], 5, "w1 back")
+            assert loop.time() - healed < 1.0
+            assert woken, "its return did not wake the capacity queue"
+            # The healthy worker kept its own, slow schedule meanwhile.
+            assert client.polled.count("http://w2") == polls_of_w2
+        finally:
+            await pool.stop()
+
+    asyncio.run(body())

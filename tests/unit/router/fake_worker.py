@@ -61,6 +61,8 @@ class FakeWorker:
     fail_kv_times: int = 0
     # This many /decode calls find their reservation gone (it expired while the prefill ran).
     expire_reservations_times: int = 0
+    # Answer /health with 503 (a worker the router cannot use: partitioned, paused, restarting).
+    down: bool = False
     # Why the last token (max_tokens) ends the stream: "length", or "stop" as an EOS would.
     finish_reason: str = "length"
     # Cut /decode and /generate streams (no finished event) after this many tokens.
@@ -120,6 +122,8 @@ class FakeWorker:
 
     async def health(self, request: web.Request) -> web.Response:
         self.calls.append(("/health", ""))
+        if self.down:
+            return _error(503, "down", "Unavailable", retryable=True)
         body = WorkerHealth(
             worker_id=self.worker_id,
             role=self.role,  # type: ignore[arg-type]

@@ -49,7 +49,7 @@ def test_the_pool_never_offers_a_worker_of_another_model(tiny_model_path: Path) 
         )  # fmt: skip
 
     class Client:
-        async def health(self, url: str) -> WorkerHealth:
+        async def health(self, url: str, timeout_s: float | None = None) -> WorkerHealth:
             return health(ours if url.endswith(":1") else theirs)
 
         def abandon(self, url: str) -> int:

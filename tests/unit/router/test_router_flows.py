@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 from fake_worker import FakeWorker
 from router_harness import completion, router, run
+from waiting import until
 
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.observability.exposition import parse, total
 from pdserve.router.api import sse
+from pdserve.router.config import RecoveryConfig
 
 
 @pytest.fixture(scope="module")
@@ -291,5 +293,52 @@ def test_malformed_json_auth_and_models(model: Path, tokens: list[int]) -> None:
             models = await (await client.get("/v1/models", headers=auth)).json()
             assert models["data"][0]["id"] == model.name
             assert (await client.get("/health")).status == 200  # health needs no key
+
+    run(body)
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disagg"])
+def test_requests_wait_for_a_worker_to_come_back_then_run(
+    model: Path, tokens: list[int], mode: str
+) -> None:
+    """No worker up (a partition, a pause): a request waits in the capacity queue instead of
+    failing at once, and runs as soon as a worker answers its health poll again."""
+    workers = (
+        [FakeWorker("both", tokens, down=True)]
+        if mode == "colocated"
+        else [FakeWorker("prefill", tokens, down=True), FakeWorker("decode", tokens, down=True)]
+    )
+
+    async def body() -> None:
+        async with router(model, workers, mode=mode) as client:  # type: ignore[arg-type]
+            sent = asyncio.create_task(client.post("/v1/completions", json=completion()))
+            await until(lambda: sum(p == "/health" for w in workers for p, _ in w.calls) >= 6,
+                        5, "rechecks while down")  # fmt: skip
+            assert not sent.done()
+            loop = asyncio.get_running_loop()
+            healed = loop.time()
+            for w in workers:
+                w.down = False
+            resp = await sent
+            assert resp.status == 200, await resp.text()
+            assert loop.time() - healed < 2.0
+
+    run(body)
+
+
+def test_a_request_that_waited_out_the_queue_gets_503_with_retry_after(
+    model: Path, tokens: list[int]
+) -> None:
+    both = FakeWorker("both", tokens, down=True)
+
+    async def body() -> None:
+        config = RecoveryConfig(queue_timeout_s=0.5)
+        async with router(model, [both], mode="colocated", recovery=config) as client:
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            resp = await client.post("/v1/completions", json=completion())
+            assert resp.status == 503 and resp.headers["Retry-After"]
+            assert loop.time() - start >= 0.5
+            assert "waited 0.5 s in the queue" in (await resp.json())["error"]["message"]
 
     run(body)

@@ -43,7 +43,8 @@ def test_a_worker_that_lost_or_could_not_keep_the_request_is_recoverable(
     exc: WorkerCallError, phase: Phase
 ) -> None:
     """404 (state lost: an expired reservation or lease, a restart), unreachable, and every
-    retryable refusal are failures the table answers, in every phase."""
-    lost = isinstance(exc, WorkerCallError) and exc.status == 404
-    if lost or isinstance(exc, WorkerUnreachable) or exc.retryable:
+    retryable refusal are failures the table answers, in every phase (a 400 is the request's
+    own fault, whatever its flag says: every worker would refuse it)."""
+    status = exc.status if isinstance(exc, WorkerCallError) else None
+    if status != 400 and (status == 404 or exc.retryable):
         assert classify(phase, cause_of(exc)) is not None, (phase, exc)
