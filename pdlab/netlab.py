@@ -91,6 +91,7 @@ class Lab:
     namespaces: dict[str, str] = field(default_factory=dict)  # machine -> namespace name
     addresses: dict[str, str] = field(default_factory=dict)  # machine -> IPv4 address
     ports: dict[str, str] = field(default_factory=dict)  # machine -> its bridge port
+    devices: dict[str, str] = field(default_factory=dict)  # machine -> its end of the link
 
     def wrap(self, machine: str) -> list[str]:
         """The command prefix that runs a process on `machine`."""
@@ -124,6 +125,7 @@ class Lab:
         _ip("-n", namespace, "link", "set", "lo", "up")
         self.addresses[machine] = self.plug(namespace, index)
         self.ports[machine] = f"pds{self.tag}{index}"
+        self.devices[machine] = f"pdv{self.tag}{index}"
         return self.addresses[machine]
 
     def unplug(self, machine: str) -> None:
