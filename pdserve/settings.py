@@ -69,10 +69,12 @@ def flag(**options: Any) -> dict[str, Flag]:
     return {"flag": Flag(**options)}
 
 
-def setting(default: Any, **options: Any) -> Any:
+def setting(default: Any, like: Flag | None = None, **options: Any) -> Any:
     """A config dataclass field with default `default` that declares its flag (the keywords of
-    `Flag`): `max_queued: int = setting(64, help="...")`."""
-    return dataclasses.field(default=default, metadata=flag(**options))
+    `Flag`): `max_queued: int = setting(64, help="...")`. `like`: a flag several configs share
+    (`config.MODEL`), declared once; `options` change it for this field."""
+    spec = dataclasses.replace(like, **options) if like is not None else Flag(**options)
+    return dataclasses.field(default=default, metadata={"flag": spec})
 
 
 def _flag_of(f: dataclasses.Field[Any]) -> Flag | None:
@@ -111,13 +113,16 @@ def add_fields(
     prefix: str = "",
     skip: Sequence[str] = (),
     groups: Sequence[str | None] | None = None,
+    only: Sequence[str] | None = None,
 ) -> None:
     """An option for every field of `cls` that declares a flag (fields named in `skip` left
     out: another command declares them; with `groups`, only fields listed in one of those
-    --help groups, None standing for no group)."""
+    --help groups, None standing for no group; with `only`, only the fields it names)."""
     for f in dataclasses.fields(cls):
         spec = _flag_of(f)
         if spec is None or f.name in skip or (groups is not None and spec.group not in groups):
+            continue
+        if only is not None and f.name not in only:
             continue
         name = f"--{_option(f, spec, prefix)}"
         where = group_titled(group, spec.group)

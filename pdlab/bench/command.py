@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from pdserve.cli.command import DEVICES, DTYPES, add_model_flags, positive_int, run
+from pdserve.cli.command import add_model_flags, run
+from pdserve.config import DEVICES, DTYPES
+from pdserve.flag_types import positive_int
 
 HELP = "benchmarks that print a table and ratios (engine, serve, transfer, multiturn, gpu-check)"
 

@@ -30,14 +30,15 @@ import random
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 from pdlab.bench.model_shapes import SHAPES, build_shape_checkpoint
 from pdlab.bench.step_breakdown import PARTS, measure_decode_breakdown
-from pdserve.config import EngineConfig, ModelLoadConfig
+from pdserve.cli.command import model_config
+from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.model.tiny import default_model_path
 from pdserve.protocol.sampling import SamplingParams
@@ -178,9 +179,7 @@ def _bench_shape(name: str, path: str, args: argparse.Namespace) -> dict[str, ob
         block_size=args.block_size,
         enable_prefix_caching=False,
         max_num_seqs=max(64, *batches),
-        model=ModelLoadConfig(
-            path=path, dtype=args.dtype, quantization=args.quantization, device=args.device
-        ),
+        model=replace(model_config(args), path=path),
     )
     engine = Engine.from_config(cfg)
     device = engine.kv_cache.device
@@ -238,7 +237,7 @@ def _bench_shape(name: str, path: str, args: argparse.Namespace) -> dict[str, ob
     ttft_on = _prefix_ttft(path, cfg, prefix_prompts, on=True)
 
     print(
-        f"model: {name} ({path})  dtype: {args.dtype}  quantization: {args.quantization}"
+        f"model: {name} ({path})  dtype: {args.dtype}  quantization: {cfg.model.quantization}"
         f"  device: {device}"
     )
     print(

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.auth.secret import ClusterSecret
+from pdserve.auth.secret import SECRET_FILE, ClusterSecret
 from pdserve.config import EngineConfig
 from pdserve.errors import ConfigError
 from pdserve.faults import parse_rules
@@ -87,9 +87,6 @@ class WorkerConfig:
     timeline_ring: int = setting(
         1000, help="recent requests whose timeline events /debug/requests/{id} keeps"
     )
-    # The cluster credential every control call and KV connection must prove; None only with
-    # `insecure_no_auth` (a loud, explicit opt-out for experiments on one machine).
-    cluster_secret: ClusterSecret | None = None
     insecure_no_auth: bool = setting(
         False,
         action="store_true",
@@ -166,6 +163,15 @@ class WorkerConfig:
         help="send checkpoint puts that go over TCP on one long-lived link per holder (one"
         " frame and one reply per put); --no-checkpoint-links: an HTTP call and a transfer"
         " session per put",
+    )
+    # The cluster credential every control call and KV connection must prove; None only with
+    # `insecure_no_auth` (a loud, explicit opt-out for experiments on one machine).
+    cluster_secret: ClusterSecret | None = setting(
+        None,
+        SECRET_FILE,
+        group="security and admission",
+        help="the cluster secret (else $PDSERVE_CLUSTER_SECRET); every control call and KV"
+        " connection must prove it",
     )
 
     def __post_init__(self) -> None:
