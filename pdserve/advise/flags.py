@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.errors import ConfigError
-from pdserve.settings import setting
+from pdserve.settings import Flag, setting
 
 
 def _range_text(low: float, high: float | None, low_open: bool) -> str:
@@ -152,12 +152,6 @@ def parse_load(
     return LoadFlags(rates, num_requests, duration_s)
 
 
-def add_output_arguments(p: argparse.ArgumentParser, plot_help: str) -> None:
-    """--model, --json FILE and --plot DIR, as every benchmark command takes them."""
-    p.add_argument(
-        "--model", default=None, help="Hugging Face model folder (default: tiny built-in)"
-    )
-    p.add_argument(
-        "--json", type=Path, default=None, metavar="FILE", help="also write the results here"
-    )
-    p.add_argument("--plot", type=Path, default=None, metavar="DIR", help=plot_help)
+# The output flags every benchmark command's config declares (`--model` is `config.MODEL`).
+JSON_FILE = Flag(name="json", type=Path, metavar="FILE", help="also write the results here")
+PLOT_DIR = Flag(name="plot", type=Path, metavar="DIR")
