@@ -1,5 +1,5 @@
-"""The benchmarks' flags declared on their configs (`MultiTurnConfig`, `TransferBenchConfig`,
-`LayoutSpec`, `HandoffConfig`): each is also a `PDSERVE_<FLAG>` variable and a `--config`
+"""The benchmarks' flags declared on their configs (`EngineBenchConfig`, `MultiTurnConfig`,
+`TransferBenchConfig`, `LayoutSpec`, `HandoffConfig`): each is also a `PDSERVE_<FLAG>` variable and a `--config`
 key of its subcommand, command line first; a bad value's error names it."""
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from pdlab.bench.command import build_parser
+from pdlab.bench.engine_config import EngineBenchConfig
+from pdlab.bench.engine_config import config_from_args as engine_config_from_args
 from pdlab.bench.multiturn import ROUTINGS, MultiTurnConfig
 from pdlab.bench.transfer import TransferBenchConfig
 from pdlab.bench.transfer_command import config_from_args, handoff_config_from_args
@@ -82,3 +84,31 @@ def test_a_subcommand_parse_leaves_the_parser_defaults_as_declared() -> None:
     parser = build_parser()
     parse_args(parser, ["multiturn"], {"PDSERVE_CHATS": "3"})
     assert parser.parse_args(["multiturn"]).chats == MultiTurnConfig().num_chats
+
+
+def test_engine_bench_flags_from_every_source(tmp_path: Path) -> None:
+    path = tmp_path / "engine.yaml"
+    path.write_text("model-shape: [tiny]\nrepeats: 5\ndtype: bfloat16\nquantization: int8\n")
+    environ = {"PDSERVE_BATCH": "4,8", "PDSERVE_REPEATS": "2", "PDSERVE_QUICK": "1"}
+    args = parse_args(
+        build_parser(), ["engine", "--config", str(path), "--block-size", "8"], environ
+    )
+    config = engine_config_from_args(args)
+    assert (config.batches, config.repeats, config.quick) == ((4, 8), 2, True)
+    assert (config.model_shapes, config.block_size) == (("tiny",), 8)
+    assert (config.model.dtype, config.model.quantization) == ("bfloat16", "int8")
+    default = engine_config_from_args(parse_args(build_parser(), ["engine"], {}))
+    assert default == EngineBenchConfig()
+
+
+@pytest.mark.parametrize(
+    ("environ", "says"),
+    [
+        ({"PDSERVE_MODEL_SHAPE": "huge"}, "environment PDSERVE_MODEL_SHAPE: 'huge' is not one of"),
+        ({"PDSERVE_BATCH": "4,0"}, "environment PDSERVE_BATCH: expected a positive integer"),
+        ({"PDSERVE_QUANTIZATION": "int4"}, "environment PDSERVE_QUANTIZATION"),
+    ],
+)
+def test_a_bad_engine_bench_value_names_the_variable(environ: dict[str, str], says: str) -> None:
+    with pytest.raises(ConfigError, match=says):
+        parse_args(build_parser(), ["engine"], environ)
