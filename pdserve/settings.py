@@ -83,6 +83,12 @@ def setting(default: Any, like: Flag | None = None, **options: Any) -> Any:
     return dataclasses.field(default=default, metadata={"flag": spec})
 
 
+def repeated(name: str, **options: Any) -> Any:
+    """A tuple field, empty by default, declaring the repeatable flag `--name` whose values
+    make the tuple (the keywords of `Flag` besides)."""
+    return setting((), name=name, action="append", to_field=tuple, **options)
+
+
 def _flag_of(f: dataclasses.Field[Any]) -> Flag | None:
     found = f.metadata.get("flag")
     return found if isinstance(found, Flag) else None

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pdserve.cli.command import model_config
 from pdserve.config import ModelLoadConfig
 from pdserve.flag_types import positive_int
-from pdserve.settings import build, setting
+from pdserve.settings import build, repeated, setting
 
 # `--model-shape` choices: "tiny" and `model_shapes.SHAPES`, spelled out here so the parser
 # builds without importing torch; a unit test keeps them equal.
@@ -35,21 +35,15 @@ class EngineBenchConfig:
         help="timed runs of each case per side, alternating (median counts; --quick: 1)",
     )
     # () -> 32, or 8 with `quick`.
-    batches: tuple[int, ...] = setting(
-        (),
-        name="batch",
-        action="append",
+    batches: tuple[int, ...] = repeated(
+        "batch",
         type=positive_int,
-        to_field=tuple,
         help="size of a mixed-length batch case (repeatable; default 32, or 8 with --quick)",
     )
     # () -> every shape, or tiny with `quick`; ignored with a `model` path.
-    model_shapes: tuple[str, ...] = setting(
-        (),
-        name="model-shape",
-        action="append",
+    model_shapes: tuple[str, ...] = repeated(
+        "model-shape",
         choices=MODEL_SHAPES,
-        to_field=tuple,
         help="measure this shape (repeatable; default: both, or tiny with --quick); a random"
         " checkpoint of the shape is written by transformers, nothing is downloaded",
     )

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pdserve.advise.flags import checked, integer, positive, positive_floats
 from pdserve.advise.goodput_stats import SLO
 from pdserve.errors import ConfigError
-from pdserve.settings import flag
+from pdserve.settings import Flag, flag
 
 # The --help group of `Relative`'s flags.
 CALIBRATION = (
@@ -26,29 +26,25 @@ CALIBRATION = (
 )
 
 
+def _multiple(name: str, slo: str) -> dict[str, Flag]:
+    """The metadata of a `Relative` field declaring `--name`: the `slo` SLO as a multiple of a
+    lone request's."""
+    return flag(
+        name=name,
+        type=str,
+        check=lambda flag_name, text: positive(flag_name, text, 1e6),
+        group=CALIBRATION,
+        help=f"{slo} SLO as a multiple of a lone request's",
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Relative:
     """SLOs and rates as multiples of a lone request's figures."""
 
     # Given all three or none (`advise.command._relative`).
-    ttft_x: float = field(
-        metadata=flag(
-            name="slo-ttft-x",
-            type=str,
-            check=lambda name, text: positive(name, text, 1e6),
-            group=CALIBRATION,
-            help="TTFT SLO as a multiple of a lone request's",
-        )
-    )
-    tpot_x: float = field(
-        metadata=flag(
-            name="slo-tpot-x",
-            type=str,
-            check=lambda name, text: positive(name, text, 1e6),
-            group=CALIBRATION,
-            help="TPOT SLO as a multiple of a lone request's",
-        )
-    )
+    ttft_x: float = field(metadata=_multiple("slo-ttft-x", "TTFT"))
+    tpot_x: float = field(metadata=_multiple("slo-tpot-x", "TPOT"))
     rates_x: tuple[float, ...] = field(
         metadata=flag(
             type=str,

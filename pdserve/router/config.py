@@ -14,7 +14,7 @@ from pdserve.protocol.checkpoint_policy import CheckpointPolicy
 from pdserve.protocol.worker_api import MAX_LEASE_TTL_S, MAX_WAIT_S
 from pdserve.router.mode.auto_mode import AutoConfig
 from pdserve.router.mode.interference import SLOConfig
-from pdserve.settings import flag, setting
+from pdserve.settings import flag, repeated, setting
 
 # The path a request takes; fixed when it begins.
 Mode = Literal["disagg", "colocated"]
@@ -257,12 +257,9 @@ class RouterConfig:
         help="find workers registered in etcd instead of --worker URLs",
     )
     # Fault-injection rules at the router's sites (`pdserve.faults` syntax), tests only.
-    faults: tuple[str, ...] = setting(
-        (),
-        name="fault",
-        action="append",
+    faults: tuple[str, ...] = repeated(
+        "fault",
         metavar="SPEC",
-        to_field=tuple,
         help="tests only: inject SITE:ACTION[:key=value,...] at a router site (repeatable)",
     )
     fault_seed: int = setting(0, help="seed of the fault plan's draws")

@@ -42,7 +42,7 @@ from pdserve.errors import ConfigError
 from pdserve.flag_types import non_negative_float, non_negative_int, positive_int
 from pdserve.flag_types import port as port_number
 from pdserve.membership.uri import parse_discovery
-from pdserve.settings import setting
+from pdserve.settings import repeated, setting
 from pdserve.supervise.policy import RestartPolicy
 from pdserve.supervise.process import (
     Child,
@@ -93,12 +93,9 @@ class UpConfig:
     )
     # Extra `pdserve router` flags (e.g. ("--routing", "round_robin") for a benchmark); on the
     # command line only those of --router-arg (`cli/up.py` adds the policy flags it was given).
-    router_args: tuple[str, ...] = setting(
-        (),
-        name="router-arg",
-        action="append",
+    router_args: tuple[str, ...] = repeated(
+        "router-arg",
         metavar="FLAG",
-        to_field=tuple,
         help="extra `pdserve router` flag, e.g. --router-arg=--slo-tpot-ms=30 (repeatable)",
     )
     model: str | None = setting(None, MODEL)

@@ -16,7 +16,7 @@ from pdserve.errors import ConfigError
 from pdserve.faults import parse_rules
 from pdserve.membership.codec import check_worker_id
 from pdserve.membership.uri import parse_discovery
-from pdserve.settings import setting
+from pdserve.settings import repeated, setting
 
 ROLES = ("prefill", "decode", "both")
 KV_TRANSPORTS = ("auto", "nixl", "shm", "tcp")
@@ -46,13 +46,8 @@ class WorkerConfig:
         2.0, help="deadline of each KV chunk send and reply (a stalled link is noticed this fast)"
     )
     # Fault-injection rules (`pdserve.faults` syntax), for tests only; () injects nothing.
-    faults: tuple[str, ...] = setting(
-        (),
-        name="fault",
-        action="append",
-        metavar="SPEC",
-        to_field=tuple,
-        help="tests only: inject SITE:ACTION[:key=value,...] (repeatable)",
+    faults: tuple[str, ...] = repeated(
+        "fault", metavar="SPEC", help="tests only: inject SITE:ACTION[:key=value,...] (repeatable)"
     )
     # Seed of the fault plan's draws.
     fault_seed: int = setting(0, help="seed of the fault plan's draws")
