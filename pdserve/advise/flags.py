@@ -2,7 +2,8 @@
 
 Each parser takes the flag's name and its text and returns the typed value, or raises
 `ConfigError` with one line naming the flag, the accepted range and what was given (the CLI
-prints it and exits 2). `None` text (flag not given) passes through as None.
+prints it and exits 2). `None` text (flag not given) passes through as None. A config field
+declares such a flag with `checked(default, check)`; `build` then calls the check.
 """
 
 from __future__ import annotations
@@ -152,6 +153,6 @@ def parse_load(
     return LoadFlags(rates, num_requests, duration_s)
 
 
-# The output flags every benchmark command's config declares (`--model` is `config.MODEL`).
+# Output flags `AdviseConfig` and `ServeConfig` share (their `--model` is `config.MODEL`).
 JSON_FILE = Flag(name="json", type=Path, metavar="FILE", help="also write the results here")
 PLOT_DIR = Flag(name="plot", type=Path, metavar="DIR")
