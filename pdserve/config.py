@@ -10,12 +10,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.errors import ConfigError
-from pdserve.settings import setting
+from pdserve.flag_types import positive_int
+from pdserve.settings import Flag, setting
 
 # float16 is served on CUDA only (`model.device`).
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = (None, "int8")
+
+# The flags of the model to load, declared once here: `ModelLoadConfig` and the configs of the
+# commands that start engines elsewhere (`pdserve up`, the benchmarks) share them.
+MODEL = Flag(name="model", type=str, help="Hugging Face model folder (default: tiny built-in)")
+DTYPE = Flag(choices=DTYPES, help="float16: CUDA only")
+BLOCK_SIZE = Flag(type=positive_int, help="tokens per KV block")
+
+
+def _quantization_flag(value: str) -> str | None:
+    # "none" on the command line (and in files) is the field's None.
+    return None if value == "none" else value
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,10 +35,16 @@ class ModelLoadConfig:
     """Which checkpoint to load and how."""
 
     # Hugging Face folder; None means the embedded tiny default model.
-    path: str | None = None
-    dtype: str = "float32"
+    path: str | None = setting(None, MODEL)
+    dtype: str = setting("float32", DTYPE)
     # Weight-only int8 (per output channel) or None.
-    quantization: str | None = None
+    quantization: str | None = setting(
+        None,
+        type=str,
+        choices=("none", "int8"),
+        to_field=_quantization_flag,
+        to_flag=lambda value: value or "none",
+    )
     # auto: CUDA when this torch build has it and a GPU is visible, else the CPU
     # (`model.device.resolve_device`, which also refuses float16 off CUDA).
     device: str = setting(
@@ -49,7 +67,7 @@ class EngineConfig:
     """KV cache size and scheduling limits of one engine."""
 
     # Tokens per KV block.
-    block_size: int = setting(16)
+    block_size: int = setting(16, BLOCK_SIZE)
     # Bytes of KV cache to allocate; the number of blocks follows from the model's shapes.
     kv_cache_bytes: int = setting(256 * 1024 * 1024)
     # Overrides kv_cache_bytes when set (tests use tiny pools to force preemption).

@@ -18,10 +18,11 @@ from pdserve.settings import add_fields, build
 
 def add_engine_flags(p: argparse.ArgumentParser, skip: Sequence[str] = ()) -> None:
     """The engine's flags, from `EngineConfig`'s and `ModelLoadConfig`'s declarations (`pdserve
-    up` takes them too and passes them on; `skip`: fields a command declares itself)."""
+    up` takes them too and passes them on; `skip`: fields a command declares itself). Which
+    model to load (--model, --dtype, --quantization) each command lists where it chooses."""
     e = p.add_argument_group("engine")
     add_fields(e, EngineConfig, skip=skip)
-    add_fields(e, ModelLoadConfig)
+    add_fields(e, ModelLoadConfig, only=("device",))
 
 
 def engine_config(args: argparse.Namespace, model: ModelLoadConfig, **given: Any) -> EngineConfig:

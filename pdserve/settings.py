@@ -7,11 +7,13 @@ into argparse options and `build` turns the parsed values back into the dataclas
 setting is written once, beside its default and its validation. Where a flag's unit differs
 from the field's (`--slo-ttft-ms` for `ttft_s`), the declaration says how to convert.
 
-`parse_args` reads every source a command takes, for any parser, in this order of precedence:
-the command line, then the environment (`PDSERVE_<FLAG>`, e.g. `PDSERVE_MAX_NUM_SEQS=32` for
-`--max-num-seqs`), then a `--config FILE` (YAML or JSON, keys are flag names), then the
-default. Values from the environment and the file are checked with the flag's own type and
-choices before anything starts; a bad one is a `ConfigError` naming the variable or the key.
+`parse_args` reads every source a command takes, for any parser and its subcommands, in this
+order of precedence: the command line, then the environment (`PDSERVE_<FLAG>`, e.g.
+`PDSERVE_MAX_NUM_SEQS=32` for `--max-num-seqs`), then a `--config FILE` (YAML or JSON, keys
+are flag names), then the default. Values from the environment and the file are checked with
+the flag's own type and choices before anything starts; a bad one is a `ConfigError` naming
+the variable or the key (text flags with a `check` are checked, naming the flag, when their
+config is built).
 
 Why not a library: tyro (1.0.17) and pydantic-settings (2.16.3) both install here and were
 tried on a nested config. Both name a nested field's flag with a dot (`--breaker.window`), which
@@ -51,6 +53,10 @@ class Flag:
     choices: Sequence[Any] | None = None
     # The field's value from the flag's (units, parsing); None: the same value.
     to_field: Callable[[Any], Any] | None = None
+    # Like `to_field`, and given the flag (`--rates`) to name in the ConfigError of a bad
+    # value: for text flags checked when the config is built rather than by argparse (the
+    # benchmarks' comma lists and ranges).
+    check: Callable[[str, Any], Any] | None = None
     # The flag's default from the field's default; None: the same value.
     to_flag: Callable[[Any], Any] | None = None
     # A store_true flag that turns the (default True) field off: `--no-breaker`.
@@ -69,10 +75,18 @@ def flag(**options: Any) -> dict[str, Flag]:
     return {"flag": Flag(**options)}
 
 
-def setting(default: Any, **options: Any) -> Any:
+def setting(default: Any, like: Flag | None = None, **options: Any) -> Any:
     """A config dataclass field with default `default` that declares its flag (the keywords of
-    `Flag`): `max_queued: int = setting(64, help="...")`."""
-    return dataclasses.field(default=default, metadata=flag(**options))
+    `Flag`): `max_queued: int = setting(64, help="...")`. `like`: a flag several configs share
+    (`config.MODEL`), declared once; `options` change it for this field."""
+    spec = dataclasses.replace(like, **options) if like is not None else Flag(**options)
+    return dataclasses.field(default=default, metadata={"flag": spec})
+
+
+def repeated(name: str, **options: Any) -> Any:
+    """A tuple field, empty by default, declaring the repeatable flag `--name` whose values
+    make the tuple (the keywords of `Flag` besides)."""
+    return setting((), name=name, action="append", to_field=tuple, **options)
 
 
 def _flag_of(f: dataclasses.Field[Any]) -> Flag | None:
@@ -111,11 +125,14 @@ def add_fields(
     prefix: str = "",
     skip: Sequence[str] = (),
     groups: Sequence[str | None] | None = None,
+    only: Sequence[str] | None = None,
 ) -> None:
     """An option for every field of `cls` that declares a flag (fields named in `skip` left
     out: another command declares them; with `groups`, only fields listed in one of those
-    --help groups, None standing for no group)."""
-    for f in dataclasses.fields(cls):
+    --help groups, None standing for no group; with `only`, the fields it names, in its
+    order)."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for f in fields.values() if only is None else [fields[name] for name in only]:
         spec = _flag_of(f)
         if spec is None or f.name in skip or (groups is not None and spec.group not in groups):
             continue
@@ -133,7 +150,8 @@ def add_fields(
             continue
         options: dict[str, Any] = {"default": shown, "help": spec.help}
         if spec.action == "append":
-            options.update(action="append", default=list(shown or ()))
+            options.update(action="append", default=list(shown or ()), choices=spec.choices)
+            options.update(type=spec.type)
         else:
             options.update(type=spec.type or (type(shown) if shown is not None else str))
             options.update(choices=spec.choices, nargs=spec.nargs)
@@ -158,6 +176,8 @@ def build(cls: type[T], args: argparse.Namespace, prefix: str = "", **given: Any
         value = getattr(args, dest)
         if spec.turns_off:
             values[f.name] = not value
+        elif spec.check is not None:
+            values[f.name] = spec.check(f"--{_option(f, spec, prefix)}", value)
         else:
             values[f.name] = spec.to_field(value) if spec.to_field is not None else value
     return cls(**values, **given)
@@ -200,6 +220,32 @@ def _env_defaults(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -
     return found
 
 
+def _sources(
+    parser: argparse.ArgumentParser, argv: Sequence[str], environ: Mapping[str, str]
+) -> tuple[list[str], dict[str, Any]]:
+    """`argv` without its `--config FILE` (where the parser takes one), and the values the
+    file and then the environment set for the parser's options."""
+    rest, path = list(argv), None
+    if any(a.dest == "config" for a in parser._actions):
+        rest, path = split_config_flag(argv)
+    preset: dict[str, Any] = {}
+    if path is not None:
+        preset.update(file_defaults(parser, Path(path)))
+    preset.update(_env_defaults(parser, environ))
+    return rest, preset
+
+
+def _subcommand(
+    parser: argparse.ArgumentParser, argv: Sequence[str]
+) -> argparse.ArgumentParser | None:
+    """The parser of the subcommand `argv` names (`pdserve bench engine`), if any."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = next((arg for arg in argv if arg in action.choices), None)
+            return None if chosen is None else action.choices[chosen]
+    return None
+
+
 def parse_args(
     parser: argparse.ArgumentParser,
     argv: Sequence[str],
@@ -207,13 +253,21 @@ def parse_args(
 ) -> argparse.Namespace:
     """Parse `argv` over the values the config file (`--config FILE` in `argv`, where the
     parser takes one) and then the environment set: command line > environment > file >
-    default. The parser itself is not changed: its defaults stay what the code declares (what
-    `pdserve up` compares against to know what to pass on)."""
-    rest, path = list(argv), None
-    if any(a.dest == "config" for a in parser._actions):
-        rest, path = split_config_flag(argv)
-    preset: dict[str, Any] = {}
-    if path is not None:
-        preset.update(file_defaults(parser, Path(path)))
-    preset.update(_env_defaults(parser, os.environ if environ is None else environ))
-    return parser.parse_args(rest, namespace=argparse.Namespace(**preset))
+    default; a subcommand's options likewise. The parser itself is not changed: its defaults
+    stay what the code declares (what `pdserve up` compares against to know what to pass on)."""
+    environ = os.environ if environ is None else environ
+    rest, preset = _sources(parser, argv, environ)
+    sub = _subcommand(parser, rest)
+    if sub is None:
+        return parser.parse_args(rest, namespace=argparse.Namespace(**preset))
+    rest, sub_preset = _sources(sub, rest, environ)
+    # argparse parses a subcommand into a namespace of its own, whose defaults then overwrite
+    # the caller's values: the subcommand's sources become its defaults for this parse only.
+    saved = [(a, a.default) for a in sub._actions if a.dest in sub_preset]
+    try:
+        for action, _ in saved:
+            action.default = sub_preset[action.dest]
+        return parser.parse_args(rest, namespace=argparse.Namespace(**preset))
+    finally:
+        for action, default in saved:
+            action.default = default

@@ -43,6 +43,7 @@ from typing import Any
 import aiohttp
 
 from pdlab.bench.local_clusters import Endpoints, local_clusters
+from pdserve.config_file import add_config_flag
 from pdserve.errors import ConfigError
 from pdserve.settings import add_fields, build, setting
 from pdserve.supervise.launcher import UpConfig
@@ -335,6 +336,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--routing", action="append", choices=tuple(ROUTINGS), help="repeatable; default both"
     )
+    add_config_flag(p)
 
 
 def run_agents_bench(args: argparse.Namespace) -> int:

@@ -9,16 +9,18 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from pdserve.cli.command import DEVICES, DTYPES, add_model_flags, positive_int, run
+from pdlab.bench.engine_config import MODEL_SHAPES, EngineBenchConfig
+from pdserve.cli.command import add_model_flags, run
+from pdserve.config import DEVICES, DTYPES
+from pdserve.config_file import add_config_flag
+from pdserve.settings import add_fields
 
 HELP = (
     "benchmarks that print a table and ratios"
     " (engine, serve, transfer, multiturn, agents, gpu-check)"
 )
 
-# `--model-shape` choices: "tiny" and `model_shapes.SHAPES`, spelled out here so the parser
-# builds without importing torch; a unit test keeps them equal.
-MODEL_SHAPES = ("tiny", "smollm-135m")
+__all__ = ["HELP", "MODEL_SHAPES", "build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,29 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = b.add_subparsers(dest="bench", required=True)
     be = bsub.add_parser("engine", help="engine tokens/s vs transformers, prefix-cache TTFT")
     add_model_flags(be)
-    be.add_argument("--json", default=None, help="write the results as JSON to this file")
-    be.add_argument("--quick", action="store_true", help="smaller workloads (CI smoke run)")
-    be.add_argument(
-        "--repeats",
-        type=positive_int,
-        default=3,
-        help="timed runs of each case per side, alternating (median counts; --quick: 1)",
-    )
-    be.add_argument(
-        "--batch",
-        action="append",
-        type=positive_int,
-        default=None,
-        help="size of a mixed-length batch case (repeatable; default 32, or 8 with --quick)",
-    )
-    be.add_argument(
-        "--model-shape",
-        action="append",
-        choices=MODEL_SHAPES,
-        default=None,
-        help="measure this shape (repeatable; default: both, or tiny with --quick); a random"
-        " checkpoint of the shape is written by transformers, nothing is downloaded",
-    )
+    add_fields(be, EngineBenchConfig)
+    add_config_flag(be)
     bg = bsub.add_parser(
         "gpu-check", help="parity, engine speed and a disaggregated run on a GPU (JSON)"
     )

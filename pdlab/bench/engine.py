@@ -30,14 +30,15 @@ import random
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
+from pdlab.bench.engine_config import EngineBenchConfig, config_from_args
 from pdlab.bench.model_shapes import SHAPES, build_shape_checkpoint
 from pdlab.bench.step_breakdown import PARTS, measure_decode_breakdown
-from pdserve.config import EngineConfig, ModelLoadConfig
+from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.model.tiny import default_model_path
 from pdserve.protocol.sampling import SamplingParams
@@ -155,11 +156,11 @@ def _prefix_ttft(path: str, cfg: EngineConfig, prompts: list[list[int]], on: boo
     return sum(ttfts) / len(ttfts) / 1e9
 
 
-def _shape_paths(args: argparse.Namespace, workdir: Path) -> list[tuple[str, str]]:
+def _shape_paths(config: EngineBenchConfig, workdir: Path) -> list[tuple[str, str]]:
     """(name, folder) of every model to measure: `--model`, else the asked shapes."""
-    if args.model:
-        return [("custom", args.model)]
-    names = args.model_shape or (["tiny"] if args.quick else list(SHAPE_NAMES))
+    if config.model.path:
+        return [("custom", config.model.path)]
+    names = config.model_shapes or (["tiny"] if config.quick else list(SHAPE_NAMES))
     paths = []
     for name in names:
         if name == "tiny":
@@ -169,28 +170,26 @@ def _shape_paths(args: argparse.Namespace, workdir: Path) -> list[tuple[str, str
     return paths
 
 
-def _bench_shape(name: str, path: str, args: argparse.Namespace) -> dict[str, object]:
+def _bench_shape(name: str, path: str, config: EngineBenchConfig) -> dict[str, object]:
     """Every case on one checkpoint; prints its table and returns its JSON part."""
     from transformers import AutoModelForCausalLM
 
-    batches = args.batch or ([8] if args.quick else [32])
+    batches = config.batches or ([8] if config.quick else [32])
     cfg = EngineConfig(
-        block_size=args.block_size,
+        block_size=config.block_size,
         enable_prefix_caching=False,
         max_num_seqs=max(64, *batches),
-        model=ModelLoadConfig(
-            path=path, dtype=args.dtype, quantization=args.quantization, device=args.device
-        ),
+        model=replace(config.model, path=path),
     )
     engine = Engine.from_config(cfg)
     device = engine.kv_cache.device
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, cfg.model.dtype))
     hf = hf.to(device).eval()  # type: ignore[arg-type]
     vocab = engine.model.config.vocab_size
     rng = random.Random(0)
-    quick = bool(args.quick)
+    quick = config.quick
     b1_len, b1_new = (32, 16) if quick else (128, 64)
-    repeats = 1 if quick else args.repeats
+    repeats = 1 if quick else config.repeats
     results = [
         _case(
             "batch1",
@@ -238,7 +237,7 @@ def _bench_shape(name: str, path: str, args: argparse.Namespace) -> dict[str, ob
     ttft_on = _prefix_ttft(path, cfg, prefix_prompts, on=True)
 
     print(
-        f"model: {name} ({path})  dtype: {args.dtype}  quantization: {args.quantization}"
+        f"model: {name} ({path})  dtype: {cfg.model.dtype}  quantization: {cfg.model.quantization}"
         f"  device: {device}"
     )
     print(
@@ -275,16 +274,17 @@ def _bench_shape(name: str, path: str, args: argparse.Namespace) -> dict[str, ob
 def run_engine_bench(args: argparse.Namespace) -> int:
     """Run every case on every shape, print the tables, write JSON if asked; returns the exit
     status."""
+    config = config_from_args(args)
     shapes: dict[str, dict[str, object]] = {}
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-engine-") as tmp:
-        for name, path in _shape_paths(args, Path(tmp)):
-            shapes[name] = _bench_shape(name, path, args)
-    if args.json:
+        for name, path in _shape_paths(config, Path(tmp)):
+            shapes[name] = _bench_shape(name, path, config)
+    if config.json_path:
         ratios = {
             f"{name}/{case}": ratio
             for name, doc in shapes.items()
             for case, ratio in doc["ratio_vs_transformers"].items()  # type: ignore[attr-defined]
         }
-        with open(args.json, "w") as f:
+        with open(config.json_path, "w") as f:
             json.dump({"shapes": shapes, "ratio_vs_transformers": ratios}, f, indent=2)
     return 0

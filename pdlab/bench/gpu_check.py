@@ -30,8 +30,10 @@ from typing import Any
 
 import torch
 
+from pdlab.bench.engine_config import EngineBenchConfig
 from pdlab.bench.kv_heavy_model import KVHeavyShape, build_kv_heavy_checkpoint
 from pdlab.bench.model_shapes import build_shape_checkpoint
+from pdserve.config import ModelLoadConfig
 from pdserve.engine.canary import TOLERANCES
 from pdserve.errors import PdserveError
 from pdserve.model.attention import contiguous_metadata
@@ -127,16 +129,13 @@ def _parity(
 def _engine_bench(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     from pdlab.bench.engine import _bench_shape
 
-    bench_args = argparse.Namespace(
-        dtype=args.dtype,
-        quantization=None,
-        device=args.device,
-        block_size=16,
+    config = EngineBenchConfig(
+        model=ModelLoadConfig(dtype=args.dtype, device=args.device),
         quick=args.quick,
         repeats=1 if args.quick else 2,
-        batch=[8] if args.quick else [32, 128],
+        batches=(8,) if args.quick else (32, 128),
     )
-    doc = _bench_shape("smollm-135m", str(path), bench_args)
+    doc = _bench_shape("smollm-135m", str(path), config)
     ratios: dict[str, float] = doc["ratio_vs_transformers"]  # type: ignore[assignment]
     verdicts = {
         case: ratios[f"{case}-mixed"] >= target

@@ -29,6 +29,7 @@ import aiohttp
 from pdlab.bench.handoff_stats import OverheadSummary, RequestTiming, summarize
 from pdlab.bench.kv_heavy_model import KVHeavyShape, build_kv_heavy_checkpoint
 from pdserve.advise.client import stream_completion
+from pdserve.advise.flags import at_least, checked
 from pdserve.errors import ConfigError, PdserveError
 from pdserve.observability import metric_names as m
 from pdserve.observability.exposition import Sample, parse, total
@@ -54,9 +55,21 @@ class HandoffBenchError(PdserveError):
 class HandoffConfig:
     """What the handoff-overhead part measures."""
 
-    num_requests: int = 8
-    num_warmup: int = 2
-    prompt_tokens: int = 256
+    num_requests: int = checked(
+        8,
+        at_least(1),
+        name="handoff-requests",
+        help="measured single requests per mode in the handoff part",
+    )
+    num_warmup: int = checked(
+        2, at_least(0), name="handoff-warmup", help="warm-up requests per mode before them"
+    )
+    prompt_tokens: int = checked(
+        256,
+        at_least(1),
+        name="handoff-prompt-tokens",
+        help="prompt length of the handoff part (128 KiB of KV per token)",
+    )
     # At least 2: the second token is where the transfer shows.
     max_tokens: int = 4
     seed: int = 0

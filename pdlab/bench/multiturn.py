@@ -46,8 +46,10 @@ from pathlib import Path
 import aiohttp
 
 from pdlab.bench.local_clusters import local_clusters
+from pdserve.config_file import add_config_flag
 from pdserve.errors import ConfigError
 from pdserve.observability.exposition import parse as parse_exposition
+from pdserve.settings import add_fields, build, setting
 from pdserve.supervise.launcher import UpConfig
 
 ROUTINGS: dict[str, tuple[str, ...]] = {
@@ -65,16 +67,24 @@ _WORKER_PREFIX = "pdserve_worker_"
 class MultiTurnConfig:
     """The workload and the cluster it runs on."""
 
-    num_chats: int = 5
-    num_turns: int = 6
-    first_tokens: int = 256
-    user_tokens: int = 64
-    output_tokens: int = 32
-    seed: int = 0
-    num_prefill: int = 2
-    num_decode: int = 2
+    num_chats: int = setting(5, name="chats", help="concurrent conversations")
+    num_turns: int = setting(6, name="turns")
+    first_tokens: int = setting(256)
+    user_tokens: int = setting(64)
+    output_tokens: int = setting(32)
+    seed: int = setting(0)
+    num_prefill: int = setting(2, name="prefill", help="prefill workers")
+    num_decode: int = setting(2, name="decode", help="decode workers")
     block_size: int = 16
-    routings: tuple[str, ...] = tuple(ROUTINGS)
+    routings: tuple[str, ...] = setting(
+        tuple(ROUTINGS),
+        name="routing",
+        action="append",
+        choices=tuple(ROUTINGS),
+        to_field=lambda names: tuple(names or ROUTINGS),
+        to_flag=lambda names: None,
+        help="repeatable; default all",
+    )
 
     def __post_init__(self) -> None:
         # The headline figure is TTFT over turns >= 4: fewer turns leave nothing to report.
@@ -379,17 +389,7 @@ def two_router_comparison(results: list[RoutingResult]) -> dict[str, float]:
 
 def run_multiturn_bench(args: argparse.Namespace) -> int:
     """The `pdserve bench multiturn` command."""
-    config = MultiTurnConfig(
-        num_chats=args.chats,
-        num_turns=args.turns,
-        first_tokens=args.first_tokens,
-        user_tokens=args.user_tokens,
-        output_tokens=args.output_tokens,
-        seed=args.seed,
-        num_prefill=args.prefill,
-        num_decode=args.decode,
-        routings=tuple(args.routing or ROUTINGS),
-    )
+    config = build(MultiTurnConfig, args)
     # Several workers share the machine's cores: one intra-op thread each (inherited).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
@@ -442,16 +442,7 @@ def run_multiturn_bench(args: argparse.Namespace) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The command's flags (defaults: ~1-2 minutes with the tiny model on 2 cores)."""
-    d = MultiTurnConfig()
-    p.add_argument("--chats", type=int, default=d.num_chats, help="concurrent conversations")
-    p.add_argument("--turns", type=int, default=d.num_turns)
-    p.add_argument("--first-tokens", type=int, default=d.first_tokens)
-    p.add_argument("--user-tokens", type=int, default=d.user_tokens)
-    p.add_argument("--output-tokens", type=int, default=d.output_tokens)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--prefill", type=int, default=d.num_prefill, help="prefill workers")
-    p.add_argument("--decode", type=int, default=d.num_decode, help="decode workers")
-    p.add_argument(
-        "--routing", action="append", choices=tuple(ROUTINGS), help="repeatable; default all"
-    )
+    add_fields(p, MultiTurnConfig)
+    # Where the results go is not part of what is measured (the JSON holds the config).
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results here")
+    add_config_flag(p)

@@ -70,6 +70,7 @@ from pdlab.bench.transfer_stats import (
     Samples,
     TransferReport,
 )
+from pdserve.advise.flags import at_least, checked, integers, one_integer
 from pdserve.errors import ConfigError, PdserveError
 from pdserve.protocol.worker_api import Transport
 from pdserve.transfer.byte_ranges import DEFAULT_FRAME_BYTES, payload_views, split_payload
@@ -84,11 +85,8 @@ from pdserve.worker.kv import transports as kv_transports
 from pdserve.worker.kv.connections import ConnectionPool
 from pdserve.worker.lease_keeper import LeaseKeeper
 
-# A 7-8B GQA model's KV (32 layers, 4 KV heads of 128, bfloat16, as Qwen2-7B has 28 layers
-# of): 64 KiB per token, 1 MiB per 16-token block, so every default size is whole blocks.
-DEFAULT_LAYOUT = LayoutSpec(
-    num_layers=32, num_kv_heads=4, head_dim=128, dtype="bfloat16", block_size=16
-)
+# 1 MiB per block (`LayoutSpec`'s default), so every default size is whole blocks.
+DEFAULT_LAYOUT = LayoutSpec()
 DEFAULT_SIZES = (1 * MIB, 16 * MIB, 128 * MIB, 1024 * MIB)
 LEASE_TTL_S = 30.0
 PEER_TIMEOUT_S = 120.0
@@ -100,16 +98,44 @@ class BenchError(PdserveError):
     """The benchmark could not measure what it was asked to (a peer or a handoff failed)."""
 
 
+def _transports(flag: str, text: str) -> tuple[str, ...]:
+    transports = tuple(t.strip() for t in text.split(","))
+    if any(t not in TARGETS for t in transports) or len(set(transports)) != len(transports):
+        raise ConfigError(f"{flag}: expected distinct names from {','.join(TARGETS)}, got {text!r}")
+    return transports
+
+
+def _frame_bytes(flag: str, text: str) -> int:
+    frame_kib = one_integer(flag, text, 1)
+    if frame_kib * 1024 > MAX_DATA_BYTES:
+        raise ConfigError(f"{flag}: at most {MAX_DATA_BYTES // 1024}, got {frame_kib}")
+    return frame_kib * 1024
+
+
 @dataclass(frozen=True, slots=True)
 class TransferBenchConfig:
     """What one `pdserve bench transfer` measures."""
 
-    sizes: tuple[int, ...] = DEFAULT_SIZES
-    transports: tuple[str, ...] = tuple(TARGETS)
-    num_runs: int = 5
-    num_warmup: int = 1
+    sizes: tuple[int, ...] = checked(
+        DEFAULT_SIZES,
+        lambda flag, text: tuple(k * 1024 for k in sorted(set(integers(flag, text, 1)))),
+        name="sizes-kib",
+        to_flag=lambda sizes: ",".join(str(n // 1024) for n in sizes),
+        help="KV sizes per handoff in KiB, comma-separated (whole blocks)",
+    )
+    transports: tuple[str, ...] = checked(
+        tuple(TARGETS), _transports, help="comma-separated, from tcp,shm,nixl"
+    )
+    num_runs: int = checked(5, at_least(1), name="runs", help="timed runs per cell (median counts)")
+    num_warmup: int = checked(1, at_least(0), name="warmup", help="untimed runs before them")
     layout: LayoutSpec = DEFAULT_LAYOUT
-    frame_bytes: int = DEFAULT_FRAME_BYTES
+    frame_bytes: int = checked(
+        DEFAULT_FRAME_BYTES,
+        _frame_bytes,
+        name="frame-kib",
+        to_flag=lambda num_bytes: str(num_bytes // 1024),
+        help="KV data per Chunk frame (KiB)",
+    )
 
     def __post_init__(self) -> None:
         if not self.sizes or self.num_runs < 1 or self.num_warmup < 0:

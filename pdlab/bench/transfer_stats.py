@@ -25,6 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
+from pdserve.advise.flags import at_least, checked
+from pdserve.settings import setting
+
 MIB = 1 << 20
 # Bytes per element of the KV dtypes the engine has (`model.weights.TORCH_DTYPES`).
 ITEMSIZE = {"float32": 4, "bfloat16": 2}
@@ -188,11 +191,13 @@ class Headline:
 class LayoutSpec:
     """The paged KV layout the handoffs move (`engine.kv_cache.KVCache`'s own)."""
 
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-    block_size: int
+    # Default: a 7-8B GQA model's KV (32 layers, 4 KV heads of 128, bfloat16, as Qwen2-7B has
+    # 28 layers of): 64 KiB per token, 1 MiB per 16-token block.
+    num_layers: int = checked(32, at_least(1), name="layers", help="KV layout: layers")
+    num_kv_heads: int = checked(4, at_least(1), name="kv-heads", help="KV layout: KV heads")
+    head_dim: int = checked(128, at_least(1), help="KV layout: head dim")
+    dtype: str = setting("bfloat16", help="KV layout: float32 or bfloat16")
+    block_size: int = checked(16, at_least(1), help="tokens per KV block")
 
     def __post_init__(self) -> None:
         values = (self.num_layers, self.num_kv_heads, self.head_dim, self.block_size)

@@ -12,8 +12,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from pdserve.cli.command import positive_int, run
+from pdserve.cli.command import run
 from pdserve.errors import ConfigError
+from pdserve.flag_types import positive_int
 
 HELP = "fault scenarios against real local clusters, with a report (--soak: a nemesis soak)"
 

@@ -13,21 +13,54 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from pdserve.advise.flags import checked, integer, positive, positive_floats
 from pdserve.advise.goodput_stats import SLO
 from pdserve.errors import ConfigError
+from pdserve.settings import Flag, flag
+
+# The --help group of `Relative`'s flags.
+CALIBRATION = (
+    "calibrated SLOs and rates: multiples of a lone request of the workload, measured first"
+)
+
+
+def _multiple(name: str, slo: str) -> dict[str, Flag]:
+    """The metadata of a `Relative` field declaring `--name`: the `slo` SLO as a multiple of a
+    lone request's."""
+    return flag(
+        name=name,
+        type=str,
+        check=lambda flag_name, text: positive(flag_name, text, 1e6),
+        group=CALIBRATION,
+        help=f"{slo} SLO as a multiple of a lone request's",
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class Relative:
     """SLOs and rates as multiples of a lone request's figures."""
 
-    ttft_x: float
-    tpot_x: float
-    rates_x: tuple[float, ...]
+    # Given all three or none (`advise.command._relative`).
+    ttft_x: float = field(metadata=_multiple("slo-ttft-x", "TTFT"))
+    tpot_x: float = field(metadata=_multiple("slo-tpot-x", "TPOT"))
+    rates_x: tuple[float, ...] = field(
+        metadata=flag(
+            type=str,
+            check=lambda name, text: positive_floats(name, text, 1e4),
+            group=CALIBRATION,
+            help="comma-separated rates as multiples of 1 / a lone request's end-to-end time",
+        )
+    )
     # Lone requests measured (after one warm-up); their medians are the unit.
-    repeats: int = 5
+    repeats: int = checked(
+        5,
+        lambda name, text: integer(name, text, 1, 100),
+        name="calibration-repeats",
+        group=CALIBRATION,
+        help="lone requests measured (medians)",
+    )
 
     def __post_init__(self) -> None:
         if not (self.ttft_x > 0 and self.tpot_x > 0 and self.rates_x):

@@ -36,20 +36,24 @@ import aiohttp
 from pdserve.advise.calibration import Lone, Relative, calibrated, measure_lone, middle, tpot_of
 from pdserve.advise.client import stream_completion
 from pdserve.advise.flags import (
+    JSON_FILE,
+    PLOT_DIR,
     add_load_arguments,
-    add_output_arguments,
+    checked,
     integer,
     parse_load,
     positive,
-    positive_floats,
 )
 from pdserve.advise.goodput import Endpoint, ServeReport, measure, prepare_run, rows_json
 from pdserve.advise.goodput_stats import SLO, RequestSpec, WorkloadShape, render_table
 from pdserve.advise.report import Advice, Arm, advise, arms_for, render_advice
 from pdserve.advise.workload import AdviseWorkload, parse_range, parse_trace, respell
 from pdserve.cli.command import run
+from pdserve.config import MODEL
+from pdserve.config_file import add_config_flag
 from pdserve.errors import ConfigError
 from pdserve.router.mode.interference import SLOConfig
+from pdserve.settings import add_fields, build, setting
 from pdserve.supervise.launcher import Cluster, UpConfig
 
 _SLO = SLOConfig()
@@ -64,20 +68,43 @@ class AdviseConfig:
     """What `pdserve advise` runs (validated by `config_from_args`)."""
 
     workload: AdviseWorkload
-    num_workers: int = 2
+    num_workers: int = checked(
+        2,
+        lambda name, text: integer(name, text, 2, MAX_WORKERS),
+        name="workers",
+        help=f"worker processes (2..{MAX_WORKERS})",
+    )
     slo: SLO = field(default_factory=lambda: SLO(_SLO.ttft_s, _SLO.tpot_s))
     rates: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0)
     num_requests: int | None = None
     duration_s: float | None = 10.0
-    target_attainment: float = 0.9
-    seed: int = 0
-    model: str | None = None
+    target_attainment: float = checked(
+        0.9,
+        lambda name, text: positive(name, text, 1.0),
+        help="fraction of requests that must meet both SLOs",
+    )
+    seed: int = checked(
+        0, lambda name, text: integer(name, text, 0), help="seed of arrivals, lengths and prompts"
+    )
+    model: str | None = setting(None, MODEL)
     # Passed to every worker (None: the engine's default).
-    max_num_batched_tokens: int | None = None
+    max_num_batched_tokens: int | None = checked(
+        None,
+        lambda name, text: integer(name, text, 1, 1 << 20),
+        help="tokens per engine step (worker flag)",
+    )
     # Runs per rate and arm, alternating arms (each --duration-s / --num-requests long).
-    repeats: int = 1
-    json_path: Path | None = None
-    plot_dir: Path | None = None
+    repeats: int = checked(
+        1,
+        lambda name, text: integer(name, text, 1, 100),
+        help="runs per rate and arm, arms alternating (evens out a drifting background load)",
+    )
+    json_path: Path | None = setting(None, JSON_FILE)
+    plot_dir: Path | None = setting(
+        None,
+        PLOT_DIR,
+        help="write PNGs here: goodput/attainment vs rate per arm, latency CDFs (pdserve[plot])",
+    )
     request_timeout_s: float = 120.0
     # SLOs and rates as multiples of a lone request, measured first (`advise/calibration.py`);
     # None: `slo` and `rates` as given.
@@ -312,16 +339,11 @@ def _max_model_len(model: str | None) -> int:
 
 def config_from_args(args: argparse.Namespace) -> AdviseConfig:
     """The validated config; a bad value raises ConfigError naming its flag or trace line."""
-    num_workers = integer("--workers", args.workers, 2, MAX_WORKERS) or 2
     d = AdviseConfig(workload=AdviseWorkload(shape=WorkloadShape()))
     ttft_ms = positive("--slo-ttft-ms", args.slo_ttft_ms, MAX_SLO_MS) or d.slo.ttft_s * 1e3
     tpot_ms = positive("--slo-tpot-ms", args.slo_tpot_ms, MAX_SLO_MS) or d.slo.tpot_s * 1e3
     load = parse_load(args, 10.0, MAX_RATE, 100_000, 3600)
     relative = _relative(args)
-    target = positive("--target-attainment", args.target_attainment, 1.0) or 0.9
-    seed = integer("--seed", args.seed, 0) or 0
-    repeats = integer("--repeats", args.repeats, 1, 100) or 1
-    batched = integer("--max-num-batched-tokens", args.max_num_batched_tokens, 1, 1 << 20)
     synthetic = args.prompt_tokens is not None or args.output_tokens is not None
     if args.workload is not None and synthetic:
         flag = "--prompt-tokens" if args.prompt_tokens is not None else "--output-tokens"
@@ -345,20 +367,14 @@ def config_from_args(args: argparse.Namespace) -> AdviseConfig:
                 f" exceed the model's context of {max_model_len} tokens"
             )
         workload = AdviseWorkload(shape=WorkloadShape(*prompt, *output))
-    return AdviseConfig(
+    return build(
+        AdviseConfig,
+        args,
         workload=workload,
-        num_workers=num_workers,
         slo=SLO(ttft_s=ttft_ms / 1e3, tpot_s=tpot_ms / 1e3),
         rates=load.rates,
         num_requests=load.num_requests,
         duration_s=load.duration_s,
-        target_attainment=target,
-        seed=seed,
-        model=args.model,
-        max_num_batched_tokens=batched,
-        repeats=repeats,
-        json_path=args.json,
-        plot_dir=args.plot,
         relative=relative,
     )
 
@@ -380,20 +396,15 @@ def _relative(args: argparse.Namespace) -> Relative | None:
             raise ConfigError(f"{flag}: give absolute SLOs or {given[0]}, not both")
     if args.rates != _DEFAULT_RATES:
         raise ConfigError("--rates: give absolute rates or --rates-x, not both")
-    return Relative(
-        ttft_x=positive("--slo-ttft-x", args.slo_ttft_x, 1e6) or 0.0,
-        tpot_x=positive("--slo-tpot-x", args.slo_tpot_x, 1e6) or 0.0,
-        rates_x=positive_floats("--rates-x", args.rates_x, 1e4),
-        repeats=integer("--calibration-repeats", args.calibration_repeats, 1, 100) or 5,
-    )
+    return build(Relative, args)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The command's flags; values are checked by `config_from_args`."""
+    """The command's flags, most declared on `AdviseConfig` and `Relative`; the SLOs, the
+    workload and the load, each made of several flags checked together, here (values are
+    checked by `config_from_args`, one line naming the flag)."""
     d = AdviseConfig(workload=AdviseWorkload(shape=WorkloadShape()))
-    p.add_argument(
-        "--workers", default=str(d.num_workers), help=f"worker processes (2..{MAX_WORKERS})"
-    )
+    add_fields(p, AdviseConfig, only=("num_workers",))
     p.add_argument(
         "--slo-ttft-ms",
         default=None,
@@ -404,17 +415,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help=f"time per output token SLO (default {d.slo.tpot_s * 1e3:g})",
     )
-    c = p.add_argument_group(
-        "calibrated SLOs and rates: multiples of a lone request of the workload, measured first"
-    )
-    c.add_argument("--slo-ttft-x", default=None, help="TTFT SLO as a multiple of a lone request's")
-    c.add_argument("--slo-tpot-x", default=None, help="TPOT SLO as a multiple of a lone request's")
-    c.add_argument(
-        "--rates-x",
-        default=None,
-        help="comma-separated rates as multiples of 1 / a lone request's end-to-end time",
-    )
-    c.add_argument("--calibration-repeats", default="5", help="lone requests measured (medians)")
+    add_fields(p, Relative)
     w = p.add_argument_group("workload (length ranges, or a JSONL trace)")
     w.add_argument(
         "--prompt-tokens", default=None, metavar="N|MIN-MAX", help="prompt lengths (default 32-512)"
@@ -429,23 +430,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help='JSONL, one {"prompt_tokens": N, "output_tokens": M} per line',
     )
     add_load_arguments(p, d.rates, d.duration_s or 10.0, "rate and arm")
-    p.add_argument(
-        "--target-attainment",
-        default=f"{d.target_attainment:g}",
-        help="fraction of requests that must meet both SLOs",
-    )
-    p.add_argument("--seed", default=str(d.seed), help="seed of arrivals, lengths and prompts")
-    p.add_argument(
-        "--repeats",
-        default=str(d.repeats),
-        help="runs per rate and arm, arms alternating (evens out a drifting background load)",
-    )
-    p.add_argument(
-        "--max-num-batched-tokens", default=None, help="tokens per engine step (worker flag)"
-    )
-    add_output_arguments(
-        p, "write PNGs here: goodput/attainment vs rate per arm, latency CDFs (pdserve[plot])"
-    )
+    later = ("target_attainment", "seed", "repeats", "max_num_batched_tokens", "model")
+    add_fields(p, AdviseConfig, only=(*later, "json_path", "plot_dir"))
+    add_config_flag(p)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,18 +2,21 @@
 
 Each parser takes the flag's name and its text and returns the typed value, or raises
 `ConfigError` with one line naming the flag, the accepted range and what was given (the CLI
-prints it and exits 2). `None` text (flag not given) passes through as None.
+prints it and exits 2). `None` text (flag not given) passes through as None. A config field
+declares such a flag with `checked(default, check)`; `build` then calls the check.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pdserve.errors import ConfigError
+from pdserve.settings import Flag, setting
 
 
 def _range_text(low: float, high: float | None, low_open: bool) -> str:
@@ -59,6 +62,49 @@ def integer(flag: str, text: str | None, low: int, high: int | None = None) -> i
     if value < low or (high is not None and value > high):
         raise ConfigError(f"{flag}: expected {want}, got {text!r}")
     return value
+
+
+def integers(flag: str, text: str, low: int) -> tuple[int, ...]:
+    """Comma-separated integers, each >= `low`."""
+    want = f"expected comma-separated integers >= {low}, got {text!r}"
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(f"{flag}: {want}") from None
+    if not values or min(values) < low:
+        raise ConfigError(f"{flag}: {want}")
+    return values
+
+
+def one_integer(flag: str, text: str, low: int) -> int:
+    """One integer >= `low` (a comma list is refused as such)."""
+    values = integers(flag, text, low)
+    if len(values) != 1:
+        raise ConfigError(f"{flag}: expected one integer >= {low}, got {text!r}")
+    return values[0]
+
+
+def at_least(low: int) -> Callable[[str, str], int]:
+    """A `check` for a declared flag: one integer >= `low` (`one_integer`)."""
+    return lambda flag, text: one_integer(flag, text, low)
+
+
+def as_text(value: Any) -> str | None:
+    """A field's default as its flag's text: 0.9 -> "0.9", (1.0, 2.0) -> "1,2", None stays."""
+    if value is None:
+        return None
+    if isinstance(value, tuple):
+        return ",".join(str(as_text(v)) for v in value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def checked(default: Any, check: Callable[[str, str], Any], **options: Any) -> Any:
+    """A config field whose flag is text, checked by `check(flag, text)` when the config is
+    built (a ConfigError naming the flag, as these commands always answered): the keywords of
+    `settings.Flag` besides."""
+    return setting(
+        default, type=str, to_flag=options.pop("to_flag", as_text), check=check, **options
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,12 +153,6 @@ def parse_load(
     return LoadFlags(rates, num_requests, duration_s)
 
 
-def add_output_arguments(p: argparse.ArgumentParser, plot_help: str) -> None:
-    """--model, --json FILE and --plot DIR, as every benchmark command takes them."""
-    p.add_argument(
-        "--model", default=None, help="Hugging Face model folder (default: tiny built-in)"
-    )
-    p.add_argument(
-        "--json", type=Path, default=None, metavar="FILE", help="also write the results here"
-    )
-    p.add_argument("--plot", type=Path, default=None, metavar="DIR", help=plot_help)
+# Output flags `AdviseConfig` and `ServeConfig` share (their `--model` is `config.MODEL`).
+JSON_FILE = Flag(name="json", type=Path, metavar="FILE", help="also write the results here")
+PLOT_DIR = Flag(name="plot", type=Path, metavar="DIR")

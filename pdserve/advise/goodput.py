@@ -41,8 +41,10 @@ import aiohttp
 
 from pdserve.advise.client import stream_completion
 from pdserve.advise.flags import (
+    JSON_FILE,
+    PLOT_DIR,
     add_load_arguments,
-    add_output_arguments,
+    checked,
     integer,
     parse_load,
     positive,
@@ -59,8 +61,11 @@ from pdserve.advise.goodput_stats import (
     representative,
     summarize,
 )
+from pdserve.config import MODEL
+from pdserve.config_file import add_config_flag
 from pdserve.errors import ConfigError
 from pdserve.observability.trace import TraceError, fetch_timeline
+from pdserve.settings import add_fields, build, setting
 from pdserve.supervise.launcher import Cluster, UpConfig
 
 
@@ -80,6 +85,14 @@ MODES: dict[str, ModeShape] = {
 }
 
 
+def _modes(flag: str, text: str) -> tuple[str, ...]:
+    modes = tuple(m.strip() for m in text.split(","))
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or len(set(modes)) != len(modes):
+        raise ConfigError(f"{flag}: expected distinct names from {','.join(MODES)}, got {text!r}")
+    return modes
+
+
 @dataclass(frozen=True, slots=True)
 class ServeConfig:
     """What `pdserve bench serve` runs (defaults: ~2 minutes with the tiny model on 2 cores)."""
@@ -88,13 +101,22 @@ class ServeConfig:
     # Exactly one of the two: requests per rate, or seconds of arrivals per rate.
     num_requests: int | None = None
     duration_s: float | None = 10.0
-    modes: tuple[str, ...] = tuple(MODES)
+    modes: tuple[str, ...] = checked(
+        tuple(MODES), _modes, help="comma-separated, from disagg,colocated"
+    )
     slo: SLO = field(default_factory=lambda: SLO(ttft_s=0.25, tpot_s=0.025))
     shape: WorkloadShape = field(default_factory=WorkloadShape)
-    seed: int = 0
-    model: str | None = None
-    json_path: Path | None = None
-    plot_dir: Path | None = None
+    seed: int = checked(
+        0, lambda flag, text: integer(flag, text, 0), help="seed of arrivals and prompts"
+    )
+    model: str | None = setting(None, MODEL)
+    json_path: Path | None = setting(None, JSON_FILE)
+    plot_dir: Path | None = setting(
+        None,
+        PLOT_DIR,
+        help="write PNGs here: goodput/attainment vs rate, latency CDFs, one request's phases"
+        " (needs pdserve[plot])",
+    )
     # Per request: a stream still open after this is an error, not a hang of the benchmark.
     request_timeout_s: float = 120.0
 
@@ -358,43 +380,29 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """The validated config; a bad value raises ConfigError naming its flag."""
     d = ServeConfig()
     load = parse_load(args, d.duration_s or 10.0)
-    modes = tuple(m.strip() for m in args.modes.split(","))
-    unknown = [m for m in modes if m not in MODES]
-    if unknown or len(set(modes)) != len(modes):
-        raise ConfigError(
-            f"--modes: expected distinct names from {','.join(MODES)}, got {args.modes!r}"
-        )
     ttft_ms = positive("--ttft-slo-ms", args.ttft_slo_ms) or 0.0
     tpot_ms = positive("--tpot-slo-ms", args.tpot_slo_ms) or 0.0
-    return ServeConfig(
+    return build(
+        ServeConfig,
+        args,
         rates=load.rates,
         num_requests=load.num_requests,
         duration_s=load.duration_s,
-        modes=modes,
         slo=SLO(ttft_s=ttft_ms / 1e3, tpot_s=tpot_ms / 1e3),
-        seed=integer("--seed", args.seed, 0) or 0,
-        model=args.model,
-        json_path=args.json,
-        plot_dir=args.plot,
     )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The command's flags; values are checked by `config_from_args` (one line naming the flag)."""
+    """The command's flags, most declared on `ServeConfig`; the load and the SLOs, each made
+    of several flags checked together, here (`config_from_args`: one line naming the flag)."""
     d = ServeConfig()
     add_load_arguments(p, d.rates, d.duration_s or 10.0, "rate")
-    p.add_argument(
-        "--modes", default=",".join(d.modes), help="comma-separated, from disagg,colocated"
-    )
+    add_fields(p, ServeConfig, only=("modes",))
     p.add_argument(
         "--ttft-slo-ms", default=f"{d.slo.ttft_s * 1e3:g}", help="time to first token SLO"
     )
     p.add_argument(
         "--tpot-slo-ms", default=f"{d.slo.tpot_s * 1e3:g}", help="time per output token SLO"
     )
-    p.add_argument("--seed", default=str(d.seed), help="seed of arrivals and prompts")
-    add_output_arguments(
-        p,
-        "write PNGs here: goodput/attainment vs rate, latency CDFs, one request's phases"
-        " (needs pdserve[plot])",
-    )
+    add_fields(p, ServeConfig, only=("seed", "model", "json_path", "plot_dir"))
+    add_config_flag(p)

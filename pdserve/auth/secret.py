@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.errors import ConfigError
+from pdserve.settings import Flag
 
 ENV_VAR = "PDSERVE_CLUSTER_SECRET"
 MIN_SECRET_BYTES = 16
@@ -63,6 +64,11 @@ def load_secret(
     if value is None:
         return None
     return ClusterSecret(value.strip().encode(), f"environment {ENV_VAR}")
+
+
+# `--cluster-secret-file PATH`, declared once for the router's and the worker's configs (each
+# says in its help what the secret guards there). Not given: the environment's secret, if any.
+SECRET_FILE = Flag(name="cluster-secret-file", type=Path, to_field=load_secret)
 
 
 def new_secret_text() -> str:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from pdserve.cli.command import add_model_flags, positive_int, run
+from pdserve.cli.command import add_model_flags, model_config, run
+from pdserve.flag_types import positive_int
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,11 +35,12 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=tuple(args.stop),
     )
+    model = model_config(args)
     llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        device=args.device,
+        model.path,
+        dtype=model.dtype,
+        quantization=model.quantization,
+        device=model.device,
         block_size=args.block_size,
     )
     out = llm.generate([args.prompt], params)[0]

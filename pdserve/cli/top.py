@@ -20,7 +20,7 @@ from typing import TextIO
 from urllib.error import URLError
 from urllib.request import urlopen
 
-from pdserve.cli.command import positive_float, run
+from pdserve.cli.command import run
 from pdserve.cli.status import (
     ClusterStatus,
     StatusError,
@@ -28,6 +28,7 @@ from pdserve.cli.status import (
     find_router_url,
     render_table,
 )
+from pdserve.flag_types import positive_float
 from pdserve.observability import metric_names as m
 from pdserve.observability.exposition import Sample, parse, total
 

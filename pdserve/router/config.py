@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from pdserve.auth.secret import ClusterSecret
+from pdserve.auth.secret import SECRET_FILE, ClusterSecret
 from pdserve.errors import ConfigError
 from pdserve.faults import parse_rules
 from pdserve.membership.uri import parse_discovery
@@ -14,7 +14,7 @@ from pdserve.protocol.checkpoint_policy import CheckpointPolicy
 from pdserve.protocol.worker_api import MAX_LEASE_TTL_S, MAX_WAIT_S
 from pdserve.router.mode.auto_mode import AutoConfig
 from pdserve.router.mode.interference import SLOConfig
-from pdserve.settings import flag, setting
+from pdserve.settings import flag, repeated, setting
 from pdserve.tools.formats import FORMATS
 
 # The path a request takes; fixed when it begins.
@@ -184,6 +184,15 @@ class AffinityConfig:
             raise ConfigError(f"max-sessions: must be >= 1, got {self.max_sessions}")
 
 
+def model_folder(value: str | None) -> Path:
+    """The --model folder; none given: the tiny built-in model's."""
+    if value is not None:
+        return Path(value)
+    from pdserve.model.tiny import default_model_path
+
+    return default_model_path()
+
+
 def parse_recovery(value: str) -> tuple[str, ...]:
     """ "retry_transfer,reprefill" as a tuple of steps ("" or "none": no recovery)."""
     if value.strip() in ("", "none"):
@@ -195,14 +204,18 @@ def parse_recovery(value: str) -> tuple[str, ...]:
 class RouterConfig:
     """The router's settings; validated at construction."""
 
+    # Folder with the tokenizer and config.json; its name is the served model name.
+    model: Path = field(
+        metadata=flag(
+            type=str, to_field=model_folder, help="model folder (default: the tiny built-in)"
+        )
+    )
     # Worker base URLs, e.g. "http://127.0.0.1:8101".
     workers: tuple[str, ...] = field(
         metadata=flag(
             name="worker", action="append", to_field=tuple, help="worker base URL (repeatable)"
         )
     )
-    # Folder with the tokenizer and config.json; its name is the served model name.
-    model: Path
     # "auto": start colocated and let `router/mode/auto_controller.py` split and rejoin the pool.
     mode: ModeSetting = setting(
         "disagg",
@@ -245,18 +258,20 @@ class RouterConfig:
         help="find workers registered in etcd instead of --worker URLs",
     )
     # Fault-injection rules at the router's sites (`pdserve.faults` syntax), tests only.
-    faults: tuple[str, ...] = setting(
-        (),
-        name="fault",
-        action="append",
+    faults: tuple[str, ...] = repeated(
+        "fault",
         metavar="SPEC",
-        to_field=tuple,
         help="tests only: inject SITE:ACTION[:key=value,...] at a router site (repeatable)",
     )
     fault_seed: int = setting(0, help="seed of the fault plan's draws")
     # The cluster credential it signs every worker call and reservation with; None only with
     # `insecure_no_auth` (for workers started with --insecure-no-auth).
-    cluster_secret: ClusterSecret | None = None
+    cluster_secret: ClusterSecret | None = setting(
+        None,
+        SECRET_FILE,
+        group="security",
+        help="the cluster secret (else $PDSERVE_CLUSTER_SECRET): signs every worker call",
+    )
     insecure_no_auth: bool = setting(
         False,
         action="store_true",

@@ -20,31 +20,23 @@ from pathlib import Path
 
 from aiohttp import web
 
-from pdserve.auth.secret import load_secret
 from pdserve.config_file import add_config_flag
 from pdserve.errors import PdserveError
 from pdserve.router.app import create_app
-from pdserve.router.config import (
-    RouterConfig,
-)
+from pdserve.router.config import RouterConfig
 from pdserve.router.flags import add_policy_flags, policy_configs
-from pdserve.settings import add_fields, build, group_titled, parse_args
+from pdserve.settings import add_fields, build, parse_args
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The router's command-line flags."""
     p = argparse.ArgumentParser(prog="pdserve router", description=__doc__.splitlines()[0])
     add_config_flag(p)
-    p.add_argument("--model", default=None, help="model folder (default: the tiny built-in)")
-    # The router's own settings, declared on RouterConfig's fields (`pdserve.settings`).
-    add_fields(p, RouterConfig, groups=(None, "security"))
+    # Every flag is declared on its config's field (`pdserve.settings`); the secret's file is
+    # listed last, as it always was.
+    add_fields(p, RouterConfig, groups=(None, "security"), skip=("cluster_secret",))
     add_policy_flags(p)
-    group_titled(p, "security").add_argument(
-        "--cluster-secret-file",
-        type=Path,
-        default=None,
-        help="the cluster secret (else $PDSERVE_CLUSTER_SECRET): signs every worker call",
-    )
+    add_fields(p, RouterConfig, only=("cluster_secret",))
     return p
 
 
@@ -52,19 +44,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
     """Parse flags (and a --config file) into a validated RouterConfig."""
     parser = build_parser()
     args = parse_args(parser, sys.argv[1:] if argv is None else argv)
-    if args.model is None:
-        from pdserve.model.tiny import default_model_path
-
-        model = default_model_path()
-    else:
-        model = Path(args.model)
-    config = build(
-        RouterConfig,
-        args,
-        model=model,
-        cluster_secret=load_secret(args.cluster_secret_file),
-        **policy_configs(args),
-    )
+    config = build(RouterConfig, args, **policy_configs(args))
     config.chat_template_text()  # a bad --chat-template fails here, at start
     return config
 

@@ -37,8 +37,12 @@ from urllib.parse import urlsplit
 from urllib.request import urlopen
 
 from pdserve.auth.secret import ENV_VAR, new_secret_text, write_secret_file
+from pdserve.config import BLOCK_SIZE, DTYPE, MODEL
 from pdserve.errors import ConfigError
+from pdserve.flag_types import non_negative_float, non_negative_int, positive_int
+from pdserve.flag_types import port as port_number
 from pdserve.membership.uri import parse_discovery
+from pdserve.settings import repeated, setting
 from pdserve.supervise.policy import RestartPolicy
 from pdserve.supervise.process import (
     Child,
@@ -63,40 +67,74 @@ __all__ = [
     "worker_threads",
 ]
 
+UP_MODES = ("disagg", "colocated", "auto")
+
 
 @dataclass(frozen=True, slots=True)
 class UpConfig:
     """What `pdserve up` starts."""
 
-    num_prefill: int = 1
-    num_decode: int = 1
-    mode: str = "disagg"
-    model: str | None = None
-    host: str = "127.0.0.1"
+    # The flags `pdserve up` lists first, in this order (`cli/up.py`).
+    # Flag not given: 1, or 0 with --mode auto (`cli/up.py` resolves it).
+    num_prefill: int = setting(
+        1,
+        name="prefill",
+        type=non_negative_int,
+        to_flag=lambda n: None,
+        help="prefill workers (default 1; 0 with --mode auto)",
+    )
+    num_decode: int = setting(
+        1, name="decode", type=positive_int, help="decode workers (role both)"
+    )
+    mode: str = setting(
+        "disagg",
+        choices=UP_MODES,
+        help="auto: the router splits the `both` workers into prefill and decode roles itself",
+    )
+    # Extra `pdserve router` flags (e.g. ("--routing", "round_robin") for a benchmark); on the
+    # command line only those of --router-arg (`cli/up.py` adds the policy flags it was given).
+    router_args: tuple[str, ...] = repeated(
+        "router-arg",
+        metavar="FLAG",
+        help="extra `pdserve router` flag, e.g. --router-arg=--slo-tpot-ms=30 (repeatable)",
+    )
+    model: str | None = setting(None, MODEL)
+    dtype: str = setting("float32", DTYPE)
+    block_size: int = setting(16, BLOCK_SIZE)
+    host: str = setting("127.0.0.1")
     # The first router's port; router i listens on port + i (0: each picks a free port).
-    port: int = 8000
-    dtype: str = "float32"
-    block_size: int = 16
-    api_key: str | None = None
-    startup_timeout_s: float = 180.0
-    # Extra `pdserve router` flags (e.g. ("--routing", "round_robin") for a benchmark).
-    router_args: tuple[str, ...] = ()
-    # Where the running cluster is described for `pdserve status`.
-    state_file: Path = field(default_factory=lambda: default_state_file())
-    num_routers: int = 1
-    # Extra `pdserve worker` flags, given to every worker (e.g. ("--max-num-seqs", "8")).
-    worker_args: tuple[str, ...] = ()
-    # Workers register in this etcd and routers watch it (None: static URLs, or `local_etcd`).
-    discovery: str | None = None
+    port: int = setting(8000, type=port_number, help="first router's port (then +1, ...)")
+    api_key: str | None = setting(None, type=str)
+    # The flags listed after the router's and the engines'.
+    num_routers: int = setting(1, name="routers", type=positive_int, help="routers (one port each)")
     # Start (and supervise) an etcd on `etcd_host` for the membership.
-    local_etcd: bool = False
-    etcd_host: str = "127.0.0.1"
+    local_etcd: bool = setting(
+        False,
+        name="etcd",
+        action="store_true",
+        help="start a local etcd; workers register, routers watch",
+    )
+    # Workers register in this etcd and routers watch it (None: static URLs, or `local_etcd`).
+    discovery: str | None = setting(
+        None, type=str, metavar="etcd://HOST:PORT[/PREFIX]", help="an existing etcd"
+    )
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     # Seconds without a health answer before a child is killed and restarted (None: never).
-    liveness_timeout_s: float | None = 30.0
+    liveness_timeout_s: float | None = setting(
+        30.0,
+        type=non_negative_float,
+        to_field=lambda s: s or None,
+        help="kill and restart a process that answers no health probe this long (0: never)",
+    )
+    startup_timeout_s: float = 180.0
+    # Where the running cluster is described for `pdserve status`.
+    state_file: Path = field(default_factory=lambda: default_state_file())
+    # Extra `pdserve worker` flags, given to every worker (e.g. ("--max-num-seqs", "8")).
+    worker_args: tuple[str, ...] = ()
+    etcd_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
-        if self.mode not in ("disagg", "colocated", "auto"):
+        if self.mode not in UP_MODES:
             raise ConfigError(f"mode: {self.mode!r} is not one of disagg, colocated, auto")
         if self.mode == "auto" and self.num_prefill != 0:
             raise ConfigError(

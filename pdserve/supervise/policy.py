@@ -21,6 +21,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from pdserve.errors import ConfigError
+from pdserve.flag_types import non_negative_int, positive_float
+from pdserve.settings import setting
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,8 +35,12 @@ class RestartPolicy:
     # Up this long before an exit: the backoff sequence starts over.
     stable_s: float = 30.0
     # More than this many exits within `window_s` is a crash loop.
-    max_restarts: int = 5
-    window_s: float = 60.0
+    max_restarts: int = setting(
+        5,
+        type=non_negative_int,
+        help="exits of one process within --restart-window-s before it is given up",
+    )
+    window_s: float = setting(60.0, name="restart-window-s", type=positive_float)
 
     def __post_init__(self) -> None:
         if not 0 < self.initial_backoff_s <= self.max_backoff_s:

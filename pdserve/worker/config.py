@@ -10,13 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.auth.secret import ClusterSecret
+from pdserve.auth.secret import SECRET_FILE, ClusterSecret
 from pdserve.config import EngineConfig
 from pdserve.errors import ConfigError
 from pdserve.faults import parse_rules
 from pdserve.membership.codec import check_worker_id
 from pdserve.membership.uri import parse_discovery
-from pdserve.settings import setting
+from pdserve.settings import repeated, setting
 
 ROLES = ("prefill", "decode", "both")
 KV_TRANSPORTS = ("auto", "nixl", "shm", "tcp")
@@ -46,13 +46,8 @@ class WorkerConfig:
         2.0, help="deadline of each KV chunk send and reply (a stalled link is noticed this fast)"
     )
     # Fault-injection rules (`pdserve.faults` syntax), for tests only; () injects nothing.
-    faults: tuple[str, ...] = setting(
-        (),
-        name="fault",
-        action="append",
-        metavar="SPEC",
-        to_field=tuple,
-        help="tests only: inject SITE:ACTION[:key=value,...] (repeatable)",
+    faults: tuple[str, ...] = repeated(
+        "fault", metavar="SPEC", help="tests only: inject SITE:ACTION[:key=value,...] (repeatable)"
     )
     # Seed of the fault plan's draws.
     fault_seed: int = setting(0, help="seed of the fault plan's draws")
@@ -87,9 +82,6 @@ class WorkerConfig:
     timeline_ring: int = setting(
         1000, help="recent requests whose timeline events /debug/requests/{id} keeps"
     )
-    # The cluster credential every control call and KV connection must prove; None only with
-    # `insecure_no_auth` (a loud, explicit opt-out for experiments on one machine).
-    cluster_secret: ClusterSecret | None = None
     insecure_no_auth: bool = setting(
         False,
         action="store_true",
@@ -166,6 +158,15 @@ class WorkerConfig:
         help="send checkpoint puts that go over TCP on one long-lived link per holder (one"
         " frame and one reply per put); --no-checkpoint-links: an HTTP call and a transfer"
         " session per put",
+    )
+    # The cluster credential every control call and KV connection must prove; None only with
+    # `insecure_no_auth` (a loud, explicit opt-out for experiments on one machine).
+    cluster_secret: ClusterSecret | None = setting(
+        None,
+        SECRET_FILE,
+        group="security and admission",
+        help="the cluster secret (else $PDSERVE_CLUSTER_SECRET); every control call and KV"
+        " connection must prove it",
     )
 
     def __post_init__(self) -> None:

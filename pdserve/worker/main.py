@@ -19,15 +19,13 @@ import signal
 import socket
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import NoReturn
 
-from pdserve.auth.secret import load_secret
-from pdserve.config import DTYPES, ModelLoadConfig
+from pdserve.config import ModelLoadConfig
 from pdserve.config_file import add_config_flag
 from pdserve.errors import ConfigError, PdserveError
 from pdserve.flags import add_engine_flags, engine_config
-from pdserve.settings import add_fields, build, group_titled, parse_args
+from pdserve.settings import add_fields, build, parse_args
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.server import Worker
 
@@ -43,20 +41,11 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     """The worker's flags."""
     p = _Parser(prog=PROG, description="one pdserve worker: HTTP control API + KV endpoint")
-    p.add_argument("--model", default=None, help="Hugging Face folder (default: tiny built-in)")
-    p.add_argument("--dtype", choices=DTYPES, default="float32")
-    p.add_argument("--quantization", choices=("none", "int8"), default="none")
+    # Every flag is declared on its config's field (`pdserve.settings`).
+    add_fields(p, ModelLoadConfig, skip=("device",))
     add_engine_flags(p)
     add_config_flag(p)
-    # Every other flag is declared on its WorkerConfig field (`pdserve.settings`).
     add_fields(p, WorkerConfig)
-    group_titled(p, "security and admission").add_argument(
-        "--cluster-secret-file",
-        type=Path,
-        default=None,
-        help="the cluster secret (else $PDSERVE_CLUSTER_SECRET); every control call and KV"
-        " connection must prove it",
-    )
     return p
 
 
@@ -70,15 +59,9 @@ def _default_worker_id(args: argparse.Namespace) -> str:
 
 def build_config(args: argparse.Namespace) -> WorkerConfig:
     """The typed config from parsed flags; ConfigError names a bad value."""
-    model = ModelLoadConfig(
-        path=args.model,
-        dtype=args.dtype,
-        quantization=None if args.quantization == "none" else args.quantization,
-        device=args.device,
-    )
     engine = engine_config(
         args,
-        model,
+        build(ModelLoadConfig, args),
         # A worker that sends handoffs keeps its KV where a same-host receiver can read it
         # (one copy over shared memory instead of two); see `transfer/arena.py`.
         shared_kv=args.role in ("prefill", "both") and args.kv_transport in ("auto", "shm"),
@@ -86,7 +69,6 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
     return build(
         WorkerConfig,
         args,
-        cluster_secret=load_secret(args.cluster_secret_file),
         worker_id=args.worker_id or _default_worker_id(args),
         engine=engine,
     )

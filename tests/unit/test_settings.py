@@ -12,14 +12,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdserve.cli.up import build_parser as up_parser
-from pdserve.config import EngineConfig, ModelLoadConfig
+from pdserve.config import DTYPE, DTYPES, EngineConfig, ModelLoadConfig
 from pdserve.errors import ConfigError
-from pdserve.router.config import AffinityConfig, BreakerConfig, RecoveryConfig
+from pdserve.router.config import AffinityConfig, BreakerConfig, RecoveryConfig, RouterConfig
+from pdserve.router.flags import policy_configs
 from pdserve.router.main import build_parser as router_parser
 from pdserve.router.main import config_from_args
 from pdserve.router.mode.auto_mode import AutoConfig
 from pdserve.router.mode.interference import SLOConfig
-from pdserve.settings import env_name, parse_args
+from pdserve.settings import add_fields, build, env_name, parse_args, setting
 from pdserve.worker.main import build_config
 from pdserve.worker.main import build_parser as worker_parser
 
@@ -53,7 +54,8 @@ def test_every_declared_field_is_a_flag_of_each_command_that_builds_it() -> None
             assert option in router and option in up, option
     for option in _declared(EngineConfig, "") + _declared(ModelLoadConfig, ""):
         assert option in worker, option
-        assert option in up or option == "--block-size", option  # up declares its own
+        # up declares its block size itself (UpConfig) and takes no --quantization.
+        assert option in up or option in ("--block-size", "--quantization"), option
 
 
 def test_flags_build_the_policy_configs_with_units_and_inversions() -> None:
@@ -148,3 +150,91 @@ def test_the_declared_defaults_stay_the_parsers_defaults(tmp_path: Path) -> None
 def test_env_names_follow_the_flag() -> None:
     action = next(a for a in worker_parser()._actions if a.dest == "kv_cache_bytes")
     assert env_name(action) == "PDSERVE_KV_CACHE_BYTES"
+
+
+# ---- the model to load and the cluster secret's file, declared on their config fields -----
+
+
+def test_model_flags_come_from_the_environment_and_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "w.yaml"
+    path.write_text("model: /models/a\nquantization: int8\n")
+    environ = {"PDSERVE_DTYPE": "bfloat16", "PDSERVE_INSECURE_NO_AUTH": "1"}
+    args = parse_args(worker_parser(), ["--config", str(path)], environ)
+    model = build_config(args).engine.model
+    assert (model.path, model.dtype, model.quantization) == ("/models/a", "bfloat16", "int8")
+    none = parse_args(worker_parser(), ["--insecure-no-auth"], {"PDSERVE_QUANTIZATION": "none"})
+    assert build_config(none).engine.model == ModelLoadConfig()
+
+
+@pytest.mark.parametrize(
+    ("source", "says"),
+    [
+        ({"PDSERVE_DTYPE": "float8"}, "environment PDSERVE_DTYPE: 'float8' is not one of"),
+        ({"PDSERVE_QUANTIZATION": "int4"}, "environment PDSERVE_QUANTIZATION: 'int4'"),
+        ("dtype: float8\n", "key 'dtype': 'float8' is not one of"),
+    ],
+)
+def test_a_bad_model_value_names_its_source(
+    tmp_path: Path, source: dict[str, str] | str, says: str
+) -> None:
+    argv: list[str] = []
+    if isinstance(source, str):
+        (tmp_path / "w.yaml").write_text(source)
+        argv, source = ["--config", str(tmp_path / "w.yaml")], {}
+    with pytest.raises(ConfigError, match=says):
+        parse_args(worker_parser(), argv, source)
+
+
+def test_one_declaration_gives_every_command_the_same_model_flags() -> None:
+    from pdserve.cli.generate import build_parser as generate_parser
+
+    def action(parser: argparse.ArgumentParser, dest: str) -> tuple[object, ...]:
+        a = next(a for a in parser._actions if a.dest == dest)
+        return (a.option_strings, a.default, a.choices, a.help)
+
+    for dest in ("model", "dtype", "block_size"):
+        want = action(worker_parser(), dest)
+        assert action(up_parser(), dest) == action(generate_parser(), dest) == want, dest
+    assert action(generate_parser(), "quantization") == action(worker_parser(), "quantization")
+
+
+@pytest.mark.parametrize("where", ["environment", "file"])
+@pytest.mark.parametrize("command", ["router", "worker"])
+def test_the_cluster_secret_file_from_the_environment_or_a_file(
+    tmp_path: Path, where: str, command: str
+) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32 + "\n")
+    argv, environ = (["--model", "/m", "--worker", "http://w:1"] if command == "router" else []), {}
+    if where == "environment":
+        environ = {"PDSERVE_CLUSTER_SECRET_FILE": str(secret)}
+    else:
+        (tmp_path / "c.yaml").write_text(f"cluster-secret-file: {secret}\n")
+        argv += ["--config", str(tmp_path / "c.yaml")]
+    if command == "router":
+        parser, make = router_parser(), lambda a: build(RouterConfig, a, **policy_configs(a))
+    else:
+        parser, make = worker_parser(), build_config
+    config = make(parse_args(parser, argv, environ))
+    assert config.cluster_secret is not None and config.cluster_secret.source == f"file {secret}"
+
+
+def test_an_unreadable_cluster_secret_file_names_the_flag(tmp_path: Path) -> None:
+    environ = {"PDSERVE_CLUSTER_SECRET_FILE": str(tmp_path / "missing")}
+    with pytest.raises(ConfigError, match="cluster-secret-file: cannot read"):
+        build_config(parse_args(worker_parser(), [], environ))
+
+
+def test_a_shared_flag_declaration_takes_per_field_changes() -> None:
+    @dataclasses.dataclass
+    class Two:
+        first: str = setting("float32", DTYPE)
+        second: str = setting("bfloat16", DTYPE, name="speed-dtype", help="of the speed runs")
+
+    parser = argparse.ArgumentParser()
+    add_fields(parser, Two)
+    first, second = parser._actions[1:]
+    assert (first.option_strings, first.choices, first.help) == (["--first"], DTYPES, DTYPE.help)
+    assert (second.option_strings, second.choices) == (["--speed-dtype"], DTYPES)
+    assert (second.default, second.help) == ("bfloat16", "of the speed runs")
+    assert build(Two, parser.parse_args(["--speed-dtype", "float16"])) == Two("float32", "float16")

@@ -41,7 +41,7 @@ def test_flags_build_one_typed_config(tmp_path: Path) -> None:
         (["--role", "router"], "--role"),
         (["--port", "http"], "--port"),
         (["--bogus"], "--bogus"),
-        (["--block-size", "0"], "block_size"),
+        (["--block-size", "0"], "--block-size"),
         (["--port", "70000"], "port"),
     ],
 )
