@@ -281,3 +281,57 @@ def test_two_prefill_workers_paused_in_turn_never_serve_a_wrong_answer(
             moved = worker_metric(handles[2].url, name, transport=transport, direction="received")
             assert moved > 0
             until_idle(handles)
+
+
+def test_a_reservation_that_expires_while_its_prefill_worker_is_paused_is_served_again(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """Issue 32's 502: a prefill worker paused after its prefill answered and before its KV
+    left, long past the lease TTL. Nobody renews the decode reservation meanwhile (the router
+    renews only while the prefill runs; then the KV's bytes would), so it expires and the
+    decode worker no longer knows the request. That is a lost state the recovery table
+    answers (a fresh reservation and prefill), never a 502: the client gets the fault-free
+    tokens. A delay before the KV send (a fault site) only places the SIGSTOP deterministically
+    between the answer and the send."""
+    ps = prompts(1, 60, 21)
+    [want] = references(tiny_model_path, ps, 10)
+    hold = ["--fault", "transfer.send:delay:delay_s=0.8"]
+    with worker_processes() as handles:
+        for role in ("prefill", "prefill", "decode"):
+            extra = hold if role == "prefill" else []
+            handles.append(launch_worker(role, tmp_path, model=tiny_model_path, extra_args=extra))
+        for handle in handles:
+            wait_ready(handle)
+        args = ["--lease-ttl-s", "1", "--local-prefill-threshold", "0"]
+        urls = [h.url for h in handles]
+        with router_process(tmp_path, tiny_model_path, urls, extra_args=args) as url:
+            answer: list[tuple[int, bytes]] = []
+            body = {"model": "tiny-v2", "prompt": ps[0], "max_tokens": len(want),
+                    "temperature": 0, "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+            sent = threading.Thread(
+                target=lambda: answer.append(http(f"{url}/v1/completions", body))
+            )
+            sent.start()
+            # The prefill worker that answered holds its KV (a lease) for the delayed send.
+            holder = None
+            deadline = time.monotonic() + 20
+            while holder is None:
+                assert time.monotonic() < deadline, "no prefill worker ever held the KV"
+                for h in handles[:2]:
+                    if json.loads(http(f"{h.url}/health")[1])["num_active_leases"] > 0:
+                        holder = h
+                time.sleep(0.01)
+            os.kill(holder.pid, signal.SIGSTOP)
+            try:
+                time.sleep(3.0)  # the pause itself: three lease TTLs
+            finally:
+                os.kill(holder.pid, signal.SIGCONT)
+            sent.join(60)
+            [(status, raw)] = answer
+            assert status == 200, raw
+            assert json.loads(raw)["choices"][0]["token_ids"] == want
+            status, metrics = http(f"{url}/metrics")
+            samples = parse(metrics.decode())
+            retried = total(samples, "pdserve_router_retries_total", reason="reprefill")
+            assert retried >= 1, "the expired reservation was never re-prefilled"
+            until_idle(handles)
