@@ -8,7 +8,10 @@ Each fault runs as its own task at its planned offset, so faults overlap as plan
 - corrupt / truncate / stall: the rules posted to the prefill worker's /admin/faults (through
   `WorkerClient`), cleared after the duration; the detail says how often they fired;
 - partition: blackhole routes between two workers' network namespaces, removed after the
-  duration; skipped, saying why, where the workers do not run in namespaces.
+  duration; skipped, saying why, where the workers do not run in namespaces;
+- loss / slow-link: 5% of the packets arriving at one worker's machine dropped (iptables), or
+  its link shaped to 40 Mbit/s (tc), removed after the duration (`pdlab.netfaults`); skipped,
+  saying why, without namespaces or where the kernel lacks the packet filter or the qdisc.
 A fault whose target is not running at its time (still restarting from an earlier kill) is
 recorded as skipped. Every fault is recorded (`FaultRecord`) with its start and end on the
 soak's clock. `heal` undoes whatever may still be in effect; the soak calls it at the end
@@ -24,9 +27,10 @@ import os
 import signal
 from collections.abc import Sequence
 
+from pdlab import netfaults
 from pdlab.netlab import Lab
 from pdlab.soak.history import FaultRecord
-from pdlab.soak.nemesis_plan import FaultKind, PlannedFault
+from pdlab.soak.nemesis_plan import LINK_FAULTS, FaultKind, PlannedFault
 from pdserve.errors import RouterError
 from pdserve.protocol.worker_observe import FaultPlanBody
 from pdserve.router.workers.client import WorkerClient
@@ -39,6 +43,9 @@ _PAUSES = frozenset({FaultKind.PAUSE_WORKER, FaultKind.PAUSE_ROUTER})
 _TRANSFER = frozenset({FaultKind.CORRUPT, FaultKind.TRUNCATE, FaultKind.STALL})
 # Seconds a killed process may take to be back before its fault is recorded as not healed.
 _BACK_WITHIN_S = 90.0
+# The link faults' strength: what TCP absorbs (loss), and far below any KV transport (rate).
+LOSS_SHARE = 0.05
+SLOW_LINK_MBIT = 40.0
 
 
 class Nemesis:
@@ -60,6 +67,8 @@ class Nemesis:
         self._t0 = 0.0
         self._paused: set[int] = set()
         self._partitions: set[tuple[str, str]] = set()
+        # Machines carrying a link fault (loss, slow link) now.
+        self._links: set[str] = set()
         self._planted: set[str] = set()
 
     def _now(self) -> float:
@@ -121,6 +130,8 @@ class Nemesis:
                                end, detail)  # fmt: skip
         if kind in _TRANSFER:
             return await self._transfer(fault)
+        if kind in LINK_FAULTS:
+            return await self._link(fault)
         return await self._partition(fault)
 
     async def _back(self, name: str, old_pid: int) -> float | None:
@@ -182,6 +193,30 @@ class Nemesis:
         return FaultRecord(fault.index, fault.kind.value, fault.targets, fault.at_s, True, start,
                            self._now(), "blackhole routes both ways")  # fmt: skip
 
+    async def _link(self, fault: PlannedFault) -> FaultRecord:
+        name = fault.targets[0]
+        if self._lab is None or name not in self._lab.namespaces:
+            return self._skipped(fault, f"no {fault.kind.value}: {self._lab_missing}")
+        missing = await asyncio.to_thread(netfaults.probe_faults)
+        if missing is not None:
+            return self._skipped(fault, f"no {fault.kind.value}: {missing}")
+        start = self._now()
+        if fault.kind is FaultKind.LOSS:
+            await asyncio.to_thread(netfaults.loss, self._lab, name, LOSS_SHARE)
+            detail = f"{LOSS_SHARE:.0%} of arriving packets dropped"
+        else:
+            await asyncio.to_thread(netfaults.limit_rate, self._lab, name, SLOW_LINK_MBIT)
+            detail = f"link shaped to {SLOW_LINK_MBIT:g} Mbit/s"
+        self._links.add(name)
+        log.warning("nemesis: %s on %s for %.1f s", fault.kind.value, name, fault.duration_s)
+        try:
+            await asyncio.sleep(fault.duration_s)
+        finally:
+            self._links.discard(name)
+            await asyncio.to_thread(netfaults.restore, self._lab, name)
+        return FaultRecord(fault.index, fault.kind.value, fault.targets, fault.at_s, True, start,
+                           self._now(), detail)  # fmt: skip
+
     async def heal(self) -> None:
         """Undo whatever may still be in effect: paused processes, partitions, fault plans."""
         for pid in list(self._paused):
@@ -190,5 +225,8 @@ class Nemesis:
             for a, b in list(self._partitions):
                 await asyncio.to_thread(self._lab.heal, a, b)
             self._partitions.clear()
+            for name in list(self._links):
+                await asyncio.to_thread(netfaults.restore, self._lab, name)
+            self._links.clear()
         for url in list(self._planted):
             await self._clear(url)

@@ -7,7 +7,8 @@ one router out of reach at any time: the targets measure failover, and a cluster
 decode worker (or no router) left serves nobody whatever it does. Both prefill workers may be
 down together: the decode workers then prefill locally. A killed process counts as busy for
 the time it typically takes to come back; a prefill worker carries one transfer fault plan at
-a time; one partition at a time. `nemesis.py` applies the plan.
+a time; one partition at a time; a worker under packet loss or a slow link carries nothing
+else meanwhile. `nemesis.py` applies the plan.
 
 The same seed, duration and shape give the same faults at the same offsets.
 """
@@ -34,6 +35,10 @@ class FaultKind(enum.StrEnum):
     STALL = "stall"
     PARTITION = "partition"
     ETCD_RESTART = "etcd-restart"
+    # Kernel-level network faults on one worker's machine (pdlab.netfaults): a share of its
+    # incoming packets dropped, or its outgoing link shaped to a crawl.
+    LOSS = "loss"
+    SLOW_LINK = "slow-link"
 
 
 ALL_FAULTS: tuple[FaultKind, ...] = tuple(FaultKind)
@@ -42,6 +47,7 @@ _PROCESS_FAULTS = frozenset(
 )
 _ROUTER_FAULTS = frozenset({FaultKind.KILL_ROUTER, FaultKind.PAUSE_ROUTER})
 _PAUSES = frozenset({FaultKind.PAUSE_WORKER, FaultKind.PAUSE_ROUTER})
+LINK_FAULTS = frozenset({FaultKind.LOSS, FaultKind.SLOW_LINK})
 
 
 def parse_nemesis(text: str) -> tuple[FaultKind, ...]:
@@ -171,6 +177,14 @@ def _draw(
         duration = round(rng.uniform(3.0, 8.0), 3)
         busy[name] = t + duration
         return PlannedFault(0, t, kind, (name,), duration, (_TRANSFER_RULES[kind],))
+    if kind in LINK_FAULTS:
+        workers = [n for n in (*shape.prefill, *shape.decode) if free(n)]
+        if not workers:
+            return None
+        name = rng.choice(workers)
+        duration = round(rng.uniform(3.0, 8.0), 3)
+        busy[name] = t + duration
+        return PlannedFault(0, t, kind, (name,), duration)
     if kind is FaultKind.PARTITION:
         pairs = [(p, d) for p in shape.prefill for d in shape.decode if free(p) and free(d)]
         if not pairs or partition_until > t:

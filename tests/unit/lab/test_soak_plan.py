@@ -74,19 +74,41 @@ def test_the_nemesis_leaves_a_live_decode_worker_and_router(seed: int) -> None:
         for f in faults
         if f.kind.startswith(("kill-", "pause-"))
     ]
-    prefill_all_down = False
     for t in [w[0] for w in windows]:
         down = {name for start, end, name in windows if start <= t < end}
         for members in groups.values():
             assert set(members) - down, (t, down)
-        prefill_all_down |= set(SHAPE.prefill) <= down
-    # Both prefill workers may be away together: decode workers prefill locally then.
-    assert prefill_all_down
     transfer = [f for f in faults if f.rules]
     assert transfer and all(f.targets[0] in SHAPE.prefill for f in transfer)
     for f in faults:
         if f.kind is FaultKind.PARTITION:
             assert f.targets[0] in SHAPE.prefill and f.targets[1] in SHAPE.decode
+
+
+def test_both_prefill_workers_may_be_away_together() -> None:
+    """Decode workers prefill locally then: some plan must take both prefill workers out."""
+
+    def both_down(seed: int) -> bool:
+        faults = plan_faults(seed, 600, ALL_FAULTS, SHAPE, max_interval_s=4.0)
+        windows = [(f.at_s, f.at_s + f.duration_s + (12.0 if f.kind == "kill-worker" else 0.0),
+                    f.targets[0]) for f in faults if f.kind in ("kill-worker", "pause-worker")]  # fmt: skip
+        return any(
+            set(SHAPE.prefill) <= {n for s, e, n in windows if s <= t < e} for t, _, _ in windows
+        )
+
+    assert any(both_down(seed) for seed in range(5))
+
+
+def test_link_faults_strike_one_worker_at_a_time() -> None:
+    faults = plan_faults(3, 600, (FaultKind.LOSS, FaultKind.SLOW_LINK), SHAPE, max_interval_s=4.0)
+    assert {f.kind for f in faults} == {FaultKind.LOSS, FaultKind.SLOW_LINK}
+    for f in faults:
+        assert len(f.targets) == 1 and f.targets[0] in (*SHAPE.prefill, *SHAPE.decode)
+        assert 3.0 <= f.duration_s <= 8.0
+    for a in faults:
+        for b in faults:
+            overlap = a.at_s < b.at_s < a.at_s + a.duration_s
+            assert not (overlap and a.targets == b.targets), (a, b)
 
 
 def test_nemesis_names_are_parsed_and_bad_ones_named() -> None:
