@@ -11,9 +11,9 @@ chain, and Docker's sets DROP. A fresh namespace has no rules, so machine-to-mac
 namespace is a machine on the bridge like the others, so this process reaches every process
 directly, with no routing, forwarding or NAT.
 
-Every name carries the process's pid, and the /24 is derived from it and checked against
-the routes already present, so concurrent runs neither clash nor capture each other's
-traffic. A process runs on a machine through `Lab.wrap(name)` (`ip netns exec NS`, which
+Every name carries the process's pid and the lab's number in it, and the /24 is derived from
+the pid and checked against the routes already present, so concurrent runs and labs neither
+clash nor capture each other's traffic. A process runs on a machine through `Lab.wrap(name)` (`ip netns exec NS`, which
 execs: its PID is the process's own, so it can be killed by PID). `unplug` takes a machine
 off the bridge; `partition(a, b)` cuts two machines off from each other only (blackhole
 routes: this kernel family may lack the qdiscs a packet filter needs, routes always exist),
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import itertools
 import os
 import shutil
 import subprocess
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 
 IP_MISSING = "`ip` is not on PATH (Debian: apt-get install iproute2)"
 BRIDGE = "br0"  # inside the switch namespace, so the name cannot clash
+_LABS = itertools.count()
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -177,7 +179,9 @@ def lab(machines: Sequence[str]) -> Iterator[Lab]:
     Stop the processes running inside first: a namespace outlives `ip netns del` while a
     process is still in it (and keeps its address on the bridge)."""
     pid = os.getpid()
-    current = Lab(str(pid), _free_subnet(pid), f"pd{pid}-switch")
+    # Labs of one process may overlap (a module's cluster and a test's own): each its names.
+    tag = f"{pid}{next(_LABS)}"
+    current = Lab(tag, _free_subnet(pid), f"pd{tag}-switch")
     _ip("netns", "add", current.switch)
     try:
         _ip("-n", current.switch, "link", "add", BRIDGE, "type", "bridge")

@@ -16,8 +16,12 @@ packages, a kernel without them).
 
 from __future__ import annotations
 
+import json
+import random
+import statistics
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -33,6 +37,9 @@ PROMPTS = [f"Once upon a time {k}" for k in range(6)]
 MAX_TOKENS = 24
 CLIENT_TIMEOUT_S = 60.0
 HEAL_TARGET_S = 2.0
+# On one host, `auto` picks shared memory or NIXL, which never touch the network: TCP puts the
+# KV on the wire, as between two machines, so the faults reach it.
+KV_OVER_THE_NETWORK = ("--kv-transport", "tcp")
 
 
 @dataclass(slots=True)
@@ -124,7 +131,8 @@ def cluster(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         addr = net.addresses
         for role in ("prefill", "decode"):
             args = ["--role", role, "--host", addr[role], "--port", "0", "--kv-port", "0",
-                    "--model", str(tiny_model_path), "--kv-cache-bytes", str(64 << 20)]  # fmt: skip
+                    "--model", str(tiny_model_path), "--kv-cache-bytes", str(64 << 20),
+                    *KV_OVER_THE_NETWORK]  # fmt: skip
             handles.append(spawn(role, "pdserve.worker.main", args, workdir, net.wrap(role)))
         workers = [wait_ready(h) for h in handles]
         args = ["--host", addr["router"], "--port", "0", "--model", str(tiny_model_path),
@@ -201,3 +209,76 @@ def test_a_slow_link_under_the_kv_costs_nothing_but_time(cluster: Cluster) -> No
     check(tally)
     assert tally.errors == {}, tally
     cluster.nothing_pinned()
+
+
+def _stream_times(url: str, body: dict[str, object]) -> tuple[float, float, float]:
+    """(first token, second token, end) seconds of one streamed completion."""
+    request = urllib.request.Request(
+        f"{url}/v1/completions", json.dumps({**body, "stream": True}).encode(),
+        {"Content-Type": "application/json"},
+    )  # fmt: skip
+    start = time.monotonic()
+    seen: list[float] = []
+    with urllib.request.urlopen(request, timeout=CLIENT_TIMEOUT_S) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data: {") and '"text":' in line:
+                seen.append(time.monotonic() - start)
+    assert len(seen) >= 2, seen
+    return seen[0], seen[1], seen[-1]
+
+
+def test_a_slow_kv_link_trips_the_breaker_and_requests_run_colocated(
+    kv_heavy_model_path: Path, tmp_path: Path
+) -> None:
+    """Issue 32 D4: the prefill worker's link shaped to 40 Mbit/s, far below any KV transport,
+    with prompts whose KV (~19 MiB each, 2 MiB blocks) is big enough to judge a rate. The
+    decode side reports each handoff slow; after two, the breaker opens and new requests run
+    whole on the decode worker instead of waiting for their KV. The KV-path wait (first to
+    second token: the handoff) of the split under the slow link is set against what the
+    router chose, and the split's time to the second token without the fault."""
+    require_netns()
+    reason = netfaults.probe_faults()
+    if reason is not None:
+        pytest.skip(reason)
+    rng = random.Random(32)
+    prompts = [[rng.randrange(3, 2000) for _ in range(150)] for _ in range(8)]
+    with ExitStack() as stack:
+        net = stack.enter_context(lab(["router", "prefill", "decode"]))
+        handles = stack.enter_context(processes())
+        addr = net.addresses
+        for role in ("prefill", "decode"):
+            args = ["--role", role, "--host", addr[role], "--port", "0", "--kv-port", "0",
+                    "--model", str(kv_heavy_model_path), "--kv-cache-bytes", str(400 << 20),
+                    *KV_OVER_THE_NETWORK]  # fmt: skip
+            handles.append(spawn(role, "pdserve.worker.main", args, tmp_path, net.wrap(role)))
+        workers = [wait_ready(h, 120) for h in handles]
+        args = ["--host", addr["router"], "--port", "0", "--model", str(kv_heavy_model_path),
+                *(a for w in workers for a in ("--worker", w.url)),
+                "--local-prefill-threshold", "0", "--breaker-window", "4",
+                "--breaker-min-samples", "2", "--breaker-cooldown-s", "120"]  # fmt: skip
+        handles.append(spawn("router", "pdserve.router.main", args, tmp_path, net.wrap("router")))
+        router = wait_ready(handles[-1])
+
+        def body(k: int) -> dict[str, object]:
+            return {"model": kv_heavy_model_path.name, "prompt": prompts[k], "max_tokens": 8,
+                    "temperature": 0, "ignore_eos": True}  # fmt: skip
+
+        fast = _stream_times(router.url, body(0))
+        netfaults.limit_rate(net, "prefill", 40)
+        try:
+            slow = [_stream_times(router.url, body(k)) for k in (1, 2)]
+            breaker = get_json(f"{router.url}/health")["breaker"]
+            assert isinstance(breaker, dict) and breaker["state"] == "open", breaker
+            chosen = [_stream_times(router.url, body(k)) for k in (3, 4)]
+        finally:
+            netfaults.restore(net, "prefill")
+        health = get_json(f"{router.url}/health")
+        assert health["effective_mode"] == "colocated", health
+        gap = {name: statistics.median(t[1] - t[0] for t in runs)
+               for name, runs in (("split", [fast]), ("split, slow link", slow),
+                                  ("router's choice, slow link", chosen))}  # fmt: skip
+        print({name: f"{s * 1e3:.0f} ms" for name, s in gap.items()})
+        # The handoff of the split under the slow link waits for ~19 MiB at 5 MB/s; what the
+        # router chose waits for no KV at all.
+        assert gap["router's choice, slow link"] * 5 < gap["split, slow link"], gap

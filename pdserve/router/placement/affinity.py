@@ -177,10 +177,13 @@ class AffinityPolicy:
     def rank_colocated(
         self, views: Sequence[WorkerView], query: RouteQuery, exclude: Collection[str] = ()
     ) -> list[WorkerView]:
-        """Workers that run a whole request (role both) of the compatible group, best first."""
+        """Workers that run a whole request of the compatible group, best first (role both,
+        else decode workers: `policy.rank_colocated`)."""
         if self.config.routing == "load":
             return policy.rank_colocated(views, exclude)
-        return self._rank(views, query, ("both",), exclude)
+        return self._rank(views, query, ("both",), exclude) or self._rank(
+            views, query, ("decode",), exclude
+        )
 
     def _rank(
         self,

@@ -112,11 +112,16 @@ def pick_prefill(
 def rank_colocated(
     workers: Sequence[WorkerView], exclude: Collection[str] = ()
 ) -> list[WorkerView]:
-    """Workers that can run a whole request (role both) of the compatible group, best first."""
+    """Workers that can run a whole request of the compatible group, best first: role both,
+    else (a split pool re-colocated by the breaker or an operator) the decode workers, which
+    run whole requests already for local prefills and migrations."""
     digest = compatible_digest(workers)
     if digest is None:
         return []
-    return sorted(candidates(workers, ("both",), digest, exclude), key=load_key)
+    found = candidates(workers, ("both",), digest, exclude) or candidates(
+        workers, ("decode",), digest, exclude
+    )
+    return sorted(found, key=load_key)
 
 
 @dataclass(frozen=True, slots=True)

@@ -88,7 +88,11 @@ def test_prefill_prefers_role_prefill_and_never_the_decode_worker() -> None:
     assert pick_prefill(pool[:1], decode) is None
 
 
-def test_colocated_only_both_workers() -> None:
+def test_colocated_prefers_both_workers_then_decode_workers() -> None:
+    """A whole request goes to `both` workers; a split pool re-colocated (the breaker, an
+    operator) runs it on its decode workers, never on a prefill worker."""
     pool = [view(0, "decode"), view(1, "both", running=1), view(2, "both"), view(3, "prefill")]
     assert urls(rank_colocated(pool)) == ["http://w2", "http://w1"]
-    assert rank_colocated([view(0, "decode")]) == []
+    split = [view(0, "decode", running=1), view(1, "decode"), view(2, "prefill")]
+    assert urls(rank_colocated(split)) == ["http://w1", "http://w0"]
+    assert rank_colocated([view(0, "prefill")]) == []
