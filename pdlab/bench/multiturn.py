@@ -46,6 +46,7 @@ from pathlib import Path
 import aiohttp
 
 from pdlab.bench.local_clusters import local_clusters
+from pdlab.bench.stream_events import stream_events
 from pdserve.config_file import add_config_flag
 from pdserve.errors import ConfigError
 from pdserve.observability.exposition import parse as parse_exposition
@@ -183,20 +184,11 @@ async def _turn(
     start = time.monotonic()
     ttft: float | None = None
     out: list[int] = []
-    async with session.post(f"{router}/v1/completions", json=body) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"{chat}: HTTP {resp.status}: {await resp.text()}")
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[len("data: ") :])
-            if "error" in event:
-                raise RuntimeError(f"{chat}: {event['error']}")
-            ids = event["choices"][0].get("token_ids") or []
-            if ids and ttft is None:
-                ttft = time.monotonic() - start
-            out.extend(ids)
+    async for event in stream_events(session, f"{router}/v1/completions", body, chat):
+        ids = event["choices"][0].get("token_ids") or []
+        if ids and ttft is None:
+            ttft = time.monotonic() - start
+        out.extend(ids)
     if ttft is None or len(out) != n:
         raise RuntimeError(f"{chat}: got {len(out)} tokens, want {n}")
     return ttft, out
