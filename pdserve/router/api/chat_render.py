@@ -69,10 +69,14 @@ class ChatRender:
         return [sse.encode_event(responses.usage_chunk(self._job, chosen))] * usage + [sse.DONE]
 
     def _opening(self, choice: ChoiceResult) -> list[BaseModel]:
-        """What a streamed choice starts with: the role (chat), the echoed prompt (echo)."""
+        """What a streamed choice starts with: the role (chat), the echoed prompt (echo);
+        with continuous usage, the role chunk carries the usage so far too (as vLLM's)."""
         job = self._job
         if job.kind == "chat":
-            return [responses.chat_chunk(job, choice.index, ChatDelta(role="assistant"))]
+            chunk = responses.chat_chunk(job, choice.index, ChatDelta(role="assistant"))
+            if job.body.continuous_usage:
+                chunk.usage = responses.usage(job, [r.result for r in self._runs])
+            return [chunk]
         if not job.echo:
             return []
         offsets = responses.prompt_offsets(self._texts, choice.prompt)

@@ -99,8 +99,11 @@ class SamplingFields(_Request):
 
     @property
     def continuous_usage(self) -> bool:
-        """True when every streamed chunk carries the usage so far."""
-        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+        """True when every streamed chunk carries the usage so far: vLLM's rule, both
+        `include_usage` and `continuous_usage_stats`."""
+        return self.include_usage and self.stream_options is not None and (
+            self.stream_options.continuous_usage_stats
+        )
 
 
 # A prompt: text, token ids, or a batch of either (each its own choices).

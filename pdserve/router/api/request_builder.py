@@ -147,6 +147,11 @@ class RequestBuilder:
             )
         if not 1 <= body.n <= MAX_CHOICES:
             raise InvalidRequest(f"n: must be in [1, {MAX_CHOICES}], got {body.n}", "n")
+        if body.stream_options is not None and not body.stream:
+            # As vLLM (and OpenAI): the options of a stream on a request that is not one.
+            raise InvalidRequest(
+                "stream_options: only allowed when stream is true", "stream_options"
+            )
         return body
 
     def _prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[PromptInput]:
