@@ -68,7 +68,7 @@ log = logging.getLogger(__name__)
 
 SHAPE = ClusterShape(("prefill-0", "prefill-1"), ("decode-0", "decode-1"), ("router-0", "router-1"))
 # Cluster settings: short leases so orphaned KV is freed within the run, and deadlines that
-# fail over fast (see docs/architecture.md § Nemesis soak).
+# fail over fast (see docs/design-notes.md § Nemesis soak).
 LEASE_TTL_S = 4.0
 REQUEST_TIMEOUT_S = 30.0
 CHUNK_TIMEOUT_S = 0.5

@@ -23,7 +23,7 @@ test_engine_features.py` checks the property end to end (logprobs bitwise equal 
 compositions, chunk sizes, prefix-cache hits and resumes), `tests/unit/model/
 test_batch_invariant_ops.py` each operation on its own.
 
-Cost (`docs/architecture.md`): rows padded to a tile, one SDPA call per distinct S in a step.
+Cost (`docs/design-notes.md`): rows padded to a tile, one SDPA call per distinct S in a step.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 from pydantic import BaseModel
 
-from pdserve.clock import MonotonicClock
+from pdserve.clock import Clock, MonotonicClock
 from pdserve.errors import (
     ConfigError,
     InvalidRequest,
@@ -332,8 +332,9 @@ def error_reply(exc: BaseException, request_timeout_s: float) -> ErrorReply:
     return ErrorReply(500, "internal router error (see the router log)", "server_error", {})
 
 
-async def create_app(config: RouterConfig) -> web.Application:
-    """The router application for `config`; call inside the running event loop."""
+async def create_app(config: RouterConfig, clock: Clock | None = None) -> web.Application:
+    """The router application for `config`; call inside the running event loop. `clock`
+    times the breaker's cooldown (tests pass a fake one; default: the monotonic clock)."""
     tokenizer = Tokenizer(config.model)
     template = config.chat_template_text()
     if template is not None:
@@ -392,7 +393,7 @@ async def create_app(config: RouterConfig) -> web.Application:
             queue_timeout_s=config.recovery.queue_timeout_s,
         ),
     }
-    breaker = CircuitBreaker(config.breaker, MonotonicClock())
+    breaker = CircuitBreaker(config.breaker, clock or MonotonicClock())
     metrics = RouterMetrics(breaker=breaker, workers=lambda: metrics_mod.worker_gauges(pool))
     monitor = LiveMonitor(config.slo, config.auto.window_s)
     dispatcher = Dispatcher(

@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import pytest
 from waiting import until
 
 from pdserve.checkpoint.host_tier import HostTier
+from pdserve.clock import FakeClock
 from pdserve.engine.block_manager import hash_block_tokens, prefix_block_hashes
 from pdserve.errors import (
     CheckpointRefused,
@@ -54,15 +56,32 @@ def put_of(i: int, owner: str = "req-1", ttl: float = 30.0, digest: bytes = b"")
 
 
 class Holder:
-    """A holder serving links on loopback: its store, link server and TCP server."""
+    """A holder serving links on loopback: its store (on a fake clock: owner leases lapse when
+    a test advances it), link server and TCP server."""
 
     def __init__(self, info: EngineInfo, key: bytes | None, idle_timeout_s: float) -> None:
         self.tier = HostTier(1 << 20, BS, BLOCK_BYTES)
+        self.clock = FakeClock()
         limits = ReceiverLimits(idle_timeout_s=idle_timeout_s, frame_timeout_s=2.0)
         self.receiver = KVReceiver(info.fingerprint, cluster_key=key, limits=limits)
-        self.store = CheckpointStore(self.tier, info, self.receiver, list, None)  # type: ignore[arg-type]
+        self.store = CheckpointStore(
+            self.tier,
+            info,
+            self.receiver,
+            list,
+            None,  # type: ignore[arg-type]
+            clock=self.clock.now,
+        )
         self.links = LinkServer(self.store, info, key, limits)
-        self.receiver.link_handler = self.links.serve
+        # Links whose serving ended (the holder closed them), for tests to wait on.
+        self.num_links_ended = 0
+        self.receiver.link_handler = self._serve
+
+    async def _serve(self, *args: Any) -> None:
+        try:
+            await self.links.serve(*args)
+        finally:
+            self.num_links_ended += 1
 
     async def __aenter__(self) -> Holder:
         self.server = await serve_tcp(self.receiver.handle)
@@ -144,7 +163,7 @@ def test_a_put_whose_tokens_and_bytes_disagree_is_refused_as_a_bad_version() -> 
 def test_a_writer_paused_past_its_owner_lease_cannot_extend_the_chain() -> None:
     async def body(holder: Holder, links: CheckpointLinks) -> None:
         await links.put(holder.address, put_of(0, ttl=0.05), views(block(0)))
-        await asyncio.sleep(0.1)  # the writer is stopped; its lease lapses
+        holder.clock.advance(0.1)  # the writer is stopped; its lease lapses
         assert holder.store.reap() == 1 and holder.tier.num_blocks == 0
         with pytest.raises(CheckpointRefused):
             await links.put(holder.address, put_of(1), views(block(1)))  # it wakes up
@@ -156,7 +175,8 @@ def test_a_writer_paused_past_its_owner_lease_cannot_extend_the_chain() -> None:
 def test_an_idle_link_the_holder_closed_costs_a_reconnect_not_a_put() -> None:
     async def body(holder: Holder, links: CheckpointLinks) -> None:
         await links.put(holder.address, put_of(0), views(block(0)))
-        await asyncio.sleep(0.5)  # past the holder's idle timeout: it closed the link
+        # Past the holder's idle timeout: it closed the link.
+        await until(lambda: holder.num_links_ended == 1, what="the holder closed the idle link")
         await links.put(holder.address, put_of(1), views(block(1)))
         assert links.num_opened == 2
         assert holder.held(2) == [block(0), block(1)]

@@ -182,7 +182,7 @@ def test_a_pull_refuses_changed_bytes_and_missing_blocks_before_sending() -> Non
         store, receiver, sender, _ = _store()
         store.put(_put("r1", 0, 2))
         receiver.land(b"\x05")
-        await asyncio.sleep(0.01)
+        await until(lambda: store.tier.num_blocks == 2)  # committed: held
         with pytest.raises(CheckpointRefused) as missing:
             await store.send(_send_body(3), DEST)  # the third block was never put
         assert missing.value.reason == "missing"
@@ -275,10 +275,10 @@ def test_a_lookup_for_a_checkable_prefix_ends_at_a_block_with_a_value_digest() -
         store, receiver, sender, _ = _store()
         store.put(_put("r1", 0, 2))
         receiver.land(b"\x01", value_digest=b"digest-of-position-7")
-        await asyncio.sleep(0.01)
+        await until(lambda: store.tier.num_blocks == 2)
         store.put(_put("r1", 2, 3))
         receiver.land(b"\x02")  # a put without a digest (the canary is off at its writer)
-        await asyncio.sleep(0.01)
+        await until(lambda: store.tier.num_blocks == 3)
         plain = CheckpointLookup(token_ids=TOKENS, fingerprint_digest="fp-a")
         checkable = CheckpointLookup(
             token_ids=TOKENS, fingerprint_digest="fp-a", require_value_digest=True

@@ -100,7 +100,7 @@ def test_every_block_goes_once_in_a_chain_and_the_end_releases() -> None:
         for token in range(51, 58):  # 17 tokens in all: four blocks hold computed KV
             seen(_delta([token]))
             await asyncio.sleep(0)
-        await asyncio.sleep(0.01)
+        await until(lambda: replica.num_sent_blocks == 4)
         tokens = [*prompt, *range(50, 58)]
         puts = _puts(peers)
         assert (puts[0].first_version, len(puts[0].block_tokens)) == (4, 2)  # the prompt
@@ -131,7 +131,7 @@ def test_the_end_of_a_request_never_waits_for_a_paused_holder() -> None:
         plan = CheckpointPlan(holder_url="http://h", policy="prompt", lease_ttl_s=30.0)
         replica = streams.open("r", plan, list(range(9)), 8)
         assert replica is not None
-        await asyncio.sleep(0.01)
+        await until(lambda: replica.num_sent_blocks == 2)  # the prompt's put is done
         started = asyncio.get_running_loop().time()
         await replica.close()
         assert asyncio.get_running_loop().time() - started < 1.0

@@ -103,7 +103,7 @@ def test_an_updated_member_is_not_chosen_until_polled_again() -> None:
         client.up["http://w1"] = "w1-restarted"
         membership.set([Member("http://w1", "w1-restarted", "both", "d")])
         assert views(pool) == [("http://w1", 0, False)]
-        await asyncio.sleep(0.01)
+        await until(lambda: pool.snapshot()[0].healthy, what="w1 polled again")
         (view,) = pool.snapshot()
         assert view.healthy and view.health is not None
         assert view.health.worker_id == "w1-restarted"

@@ -12,6 +12,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from cluster_auth import SECRET
 from fake_worker import FakeWorker
 
+from pdserve.clock import Clock
 from pdserve.router.app import create_app
 from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.workers.model_check import router_model_fields
@@ -23,9 +24,11 @@ async def router(
     workers: list[FakeWorker],
     mode: Mode = "disagg",
     api_key: str | None = None,
+    clock: Clock | None = None,
     **config: Any,
 ) -> AsyncIterator[TestClient]:  # type: ignore[type-arg]
-    """Start `workers` and a router over them; `config` overrides RouterConfig fields.
+    """Start `workers` and a router over them; `config` overrides RouterConfig fields, `clock`
+    the breaker's clock.
 
     The fake workers report the router's model fields in their fingerprint (unless a test
     set another) and check every call's cluster signature."""
@@ -42,7 +45,7 @@ async def router(
     router_config = RouterConfig(
         workers=tuple(w.url for w in workers), model=model, mode=mode, api_key=api_key, **settings
     )
-    client = TestClient(TestServer(await create_app(router_config)))
+    client = TestClient(TestServer(await create_app(router_config, clock)))
     await client.start_server()
     try:
         yield client

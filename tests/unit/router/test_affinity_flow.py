@@ -29,6 +29,22 @@ def tokens(tiny_model_path: Path) -> list[int]:
     )
 
 
+async def until_router_sees(
+    client: TestClient,  # type: ignore[type-arg]
+    url: str,
+    num_running: int,
+    timeout_s: float = 10.0,
+) -> None:
+    """Poll the router's /health until its view of the worker at `url` (from its own health
+    polls) shows `num_running`."""
+    async with asyncio.timeout(timeout_s):
+        while True:
+            workers = (await (await client.get("/health")).json())["workers"]
+            if any(w["url"] == url and w["num_running"] == num_running for w in workers):
+                return
+            await asyncio.sleep(0.01)
+
+
 def body(model: Path, prompt: list[int], session: str | None = None) -> dict[str, object]:
     b: dict[str, object] = {
         "model": model.name,
@@ -143,7 +159,7 @@ def test_colocated_mode_keeps_a_session_on_its_worker_against_load(
             other = workers[1 - workers.index(holder)]
             # The holder now looks busier: least-load alone would move the conversation.
             holder.num_running = 1
-            await asyncio.sleep(0.2)  # a few health polls
+            await until_router_sees(client, holder.url, num_running=1)
             holder.calls.clear()
             other.calls.clear()
             second = [*FIRST, *out, *range(400, 408)]

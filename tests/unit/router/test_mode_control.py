@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 from fake_worker import FakeWorker
 from router_harness import completion, router, run
+from waiting import until
 
 from pdserve.clock import FakeClock
 from pdserve.model.tokenizer import Tokenizer
@@ -267,7 +268,7 @@ def test_the_controller_loop_survives_and_stops(tokens: list[int]) -> None:
                 AutoConfig(interval_s=0.01), monitor, pool, dispatcher, enabled=True
             )
             controller.start()
-            await asyncio.sleep(0.05)
+            await until(lambda: controller.history, what="one evaluation")
             await controller.stop()
             assert (
                 controller.history

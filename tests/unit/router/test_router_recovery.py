@@ -14,6 +14,7 @@ import pytest
 from fake_worker import FakeWorker
 from router_harness import completion, router, run
 
+from pdserve.clock import FakeClock
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.observability.exposition import parse, total
 from pdserve.router.config import BreakerConfig, RecoveryConfig
@@ -198,9 +199,12 @@ def test_breaker_colocates_after_failed_handoffs_and_a_probe_restores_disagg(
     d = FakeWorker("both", tokens, fail_kv_times=100)
     breaker = BreakerConfig(window=4, min_samples=2, failure_rate=0.5, cooldown_s=0.3)
     recovery = RecoveryConfig(steps=("local_prefill",))
+    clock = FakeClock()
 
     async def body() -> None:
-        async with router(tiny_model_path, [p, d], breaker=breaker, recovery=recovery) as client:
+        async with router(
+            tiny_model_path, [p, d], breaker=breaker, recovery=recovery, clock=clock
+        ) as client:
             for _ in range(2):  # both handoffs fail; the decode worker recomputes locally
                 resp = await client.post("/v1/completions", json=completion(3))
                 assert resp.status == 200, await resp.text()
@@ -212,7 +216,7 @@ def test_breaker_colocates_after_failed_handoffs_and_a_probe_restores_disagg(
             resp = await client.post("/v1/completions", json=completion(3))
             assert resp.status == 200 and d.paths() == ["/generate"]  # colocated, no reserve
             d.fail_kv_times = 0  # the KV path heals
-            await asyncio.sleep(0.35)
+            clock.advance(0.35)  # past the cooldown
             d.calls.clear()
             resp = await client.post("/v1/completions", json=completion(3))
             assert resp.status == 200 and d.paths()[:2] == ["/reserve", "/decode"]  # the probe

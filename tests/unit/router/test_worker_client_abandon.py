@@ -4,6 +4,7 @@ calls cut at once, so the flows fail over instead of waiting out a silent worker
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
@@ -27,15 +28,24 @@ async def _one_token_then_silence(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-async def _never_answers(request: web.Request) -> web.Response:
-    await asyncio.Event().wait()
-    raise AssertionError("unreachable")
+def _never_answers(
+    arrived: asyncio.Queue[None],
+) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """A handler that tells `arrived` of each request, then never answers it."""
+
+    async def handle(request: web.Request) -> web.Response:
+        arrived.put_nowait(None)
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    return handle
 
 
 def test_abandon_cuts_a_silent_control_call_but_not_a_cancelled_caller() -> None:
     async def body() -> None:
+        arrived: asyncio.Queue[None] = asyncio.Queue()
         app = web.Application()
-        app.router.add_post("/prefill", _never_answers)
+        app.router.add_post("/prefill", _never_answers(arrived))
         server = TestServer(app)
         await server.start_server()
         url = str(server.make_url("")).rstrip("/")
@@ -43,7 +53,7 @@ def test_abandon_cuts_a_silent_control_call_but_not_a_cancelled_caller() -> None
         async with aiohttp.ClientSession() as session:
             client = WorkerClient(session, ClientTimeouts(prefill_s=60.0))
             call = asyncio.ensure_future(client.prefill(url, prefill))
-            await asyncio.sleep(0.1)
+            await asyncio.wait_for(arrived.get(), 5)  # open: the worker has it
             assert client.abandon(url) == 1
             try:
                 await asyncio.wait_for(call, 5)
@@ -52,7 +62,7 @@ def test_abandon_cuts_a_silent_control_call_but_not_a_cancelled_caller() -> None
                 assert "left the pool" in str(exc)
             # The caller's own cancellation stays a cancellation, not a worker failure.
             call = asyncio.ensure_future(client.prefill(url, prefill))
-            await asyncio.sleep(0.1)
+            await asyncio.wait_for(arrived.get(), 5)
             call.cancel()
             try:
                 await call
@@ -81,7 +91,9 @@ def test_abandon_cuts_a_silent_stream_and_the_read_fails_over() -> None:
             loop = asyncio.get_running_loop()
             start = loop.time()
             pending = asyncio.ensure_future(anext(stream))
-            await asyncio.sleep(0.05)
+            # One turn of the loop: the read runs up to its wait for bytes that never come.
+            await asyncio.sleep(0)
+            assert not pending.done()
             assert client.abandon(url) == 1
             try:
                 await asyncio.wait_for(pending, 5)

@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import os
 
+from waiting import until
+
 from pdserve.transfer.framing import read_frame, write_frame
 from pdserve.transfer.messages import Begin, KVLayout, token_digest
-from pdserve.transfer.receiver import IncomingTransfer, KVReceiver
+from pdserve.transfer.receiver import IncomingTransfer, KVReceiver, ReceiverLimits
 from pdserve.transfer.receiver_session import ReceivePlan
 from pdserve.transfer.sender import OutgoingTransfer, SendPolicy, send_attempt
 from pdserve.transfer.sender_session import SenderSession
@@ -45,14 +47,15 @@ def test_fencing_a_committed_transfer_keeps_its_connection_for_the_next_one() ->
         server = await serve_tcp(receiver.handle)
         stream = await open_tcp_stream(server.address)
         try:
-            for fill in (1, 100):
+            # Each transfer rides the connection the one before was fenced on: a fence that
+            # closed it fails the next send_attempt, with no wait for an EOF to show.
+            for fill in (1, 100, 200):
+                assert stream.reusable()
                 outgoing, dest = _transfer(receiver, fill)
                 session = SenderSession(outgoing.transfer_id, FP)
                 await send_attempt(stream, session, outgoing, POLICY)
                 await receiver.fence(outgoing.transfer_id)  # the hand-over
                 assert [bytes(d) for d in dest] == [bytes(b) for b in outgoing.blocks]
-                await asyncio.sleep(0.05)  # a closed connection would show EOF by now
-                assert stream.reusable()
             assert receiver.num_fenced_writers == 0
         finally:
             await stream.aclose()
@@ -63,7 +66,8 @@ def test_fencing_a_committed_transfer_keeps_its_connection_for_the_next_one() ->
 
 def test_fencing_before_the_commit_still_closes_the_writer() -> None:
     async def body() -> None:
-        receiver = KVReceiver(FP)
+        # Frame deadlines past the test's own: the fence closes it, not a timeout.
+        receiver = KVReceiver(FP, limits=ReceiverLimits(frame_timeout_s=60.0))
         server = await serve_tcp(receiver.handle)
         stream = await open_tcp_stream(server.address)
         try:
@@ -80,8 +84,7 @@ def test_fencing_before_the_commit_still_closes_the_writer() -> None:
             session.receive(*await read_frame(stream))
             await receiver.fence(outgoing.transfer_id)
             assert receiver.num_fenced_writers == 1
-            await asyncio.sleep(0.05)
-            assert not stream.reusable()  # the receiver closed it
+            await until(lambda: not stream.reusable(), what="the receiver closed it")
         finally:
             await stream.aclose()
             await server.aclose()

@@ -21,6 +21,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from memory_streams import memory_stream_pair
+from waiting import until
 
 from pdserve.clock import FakeClock
 from pdserve.errors import LeaseError
@@ -356,14 +357,16 @@ def test_the_server_closes_connections_over_its_cap_at_once() -> None:
 
     async def body() -> None:
         release = asyncio.Event()
+        served: list[ByteStream] = []
 
         async def handler(stream: ByteStream) -> None:
+            served.append(stream)
             await release.wait()
 
         server = await serve_tcp(handler, max_connections=2)
         try:
             kept = [await open_tcp_stream(server.address) for _ in range(2)]
-            await asyncio.sleep(0.05)
+            await until(lambda: len(served) == 2, what="both kept connections accepted")
             extra = await open_tcp_stream(server.address)
             # Closed on arrival: the extra connection reads end of stream at once.
             async with asyncio.timeout(2):

@@ -5,6 +5,7 @@ ever touched off the engine thread."""
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import pytest
+from waiting import until
 
 from pdserve.config import EngineConfig, ModelLoadConfig
 from pdserve.engine.engine import Engine
@@ -151,14 +153,44 @@ def test_remote_request_refused_for_capacity_and_stopped_by_first_token(
     with_loop(model, body)
 
 
+class WatchedCommands:
+    """The engine loop's command queue, recording whether its thread waits in a blocking
+    `get` with no timeout: the only way it may wait while idle (no polling, no spinning)."""
+
+    def __init__(self, commands: queue.SimpleQueue[Any]) -> None:
+        self._commands = commands
+        self.waiting = threading.Event()
+        self.timeouts: list[float | None] = []
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        self.timeouts.append(timeout)
+        if block and timeout is None:
+            self.waiting.set()
+        try:
+            return self._commands.get(block, timeout)
+        finally:
+            self.waiting.clear()
+
+    def get_nowait(self) -> Any:
+        return self._commands.get_nowait()
+
+    def put(self, item: Any) -> None:
+        self._commands.put(item)
+
+
 def test_idle_thread_blocks_on_the_queue(model: LoadedModel) -> None:
     async def body(loop: EngineLoop, checked: ThreadCheckedEngine) -> None:
+        watched = WatchedCommands(loop._commands)
+        loop._commands = cast(Any, watched)
         await collect(await loop.add("r", [5, 6, 7], GREEDY))
         await loop.stats()
-        await asyncio.sleep(0.05)  # the thread finishes its loop turn, then blocks
+        # Idle now: the thread ends its turn and waits for the next command, however long.
+        await until(watched.waiting.is_set, what="the idle engine thread waits on its queue")
         before = checked.num_has_work_calls
-        await asyncio.sleep(0.2)
-        assert checked.num_has_work_calls == before  # no polling while idle
+        assert watched.timeouts and set(watched.timeouts) == {None}  # never a polling wait
+        await loop.call(lambda _: None)  # a command wakes it for one turn, then it waits again
+        await until(watched.waiting.is_set, what="the engine thread waits again")
+        assert checked.num_has_work_calls - before <= 2
 
     with_loop(model, body)
 
