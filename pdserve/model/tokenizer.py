@@ -130,11 +130,16 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """Token ids of the rendered chat prompt (the template supplies any BOS); `tools` as
-        transformers passes them (`{"type": "function", "function": {...}}` each)."""
+        transformers passes them (`{"type": "function", "function": {...}}` each); with
+        `continue_final_message`, the prompt ends inside the final message (as transformers
+        cuts it: just after that message's text), for the model to continue it."""
         extra = {"tools": list(tools)} if tools else {}
         text = self.apply_chat_template(messages, add_generation_prompt, **extra)
+        if continue_final_message and messages:
+            text = _open_final_message(text, messages[-1])
         return self.encode(text, add_special_tokens=False)
 
     def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
@@ -211,6 +216,24 @@ def _digest(tokenizer_json: bytes, config: dict[str, Any], template: str | None)
     if template is not None:
         hasher.update(template.encode())
     return hasher.hexdigest()
+
+
+def _open_final_message(rendered: str, final: Mapping[str, Any]) -> str:
+    """`rendered` cut just after the final message's text (its last text part's), whatever
+    the template wrote after it; ModelConfigError if the template did not render that text."""
+    content = final.get("content")
+    if isinstance(content, list):
+        texts = [p.get("text") for p in content if isinstance(p, Mapping) and p.get("text")]
+        content = texts[-1] if texts else ""
+    text = str(content or "")
+    for needle in (text, text.strip()):
+        at = rendered.rfind(needle) if needle else -1
+        if at >= 0:
+            return rendered[: at + len(needle)]
+    raise ModelConfigError(
+        TOKENIZER_CONFIG_FILE, "chat_template",
+        "continue_final_message: the final message's text is not in the rendered chat",
+    )  # fmt: skip
 
 
 def _tojson(

@@ -67,9 +67,6 @@ _COMPLETION_ONLY: dict[str, _Rule] = {
 }
 _CHAT_ONLY: dict[str, _Rule] = {
     "echo": _Rule(lambda v: v in (None, False), "echo is implemented for /v1/completions only"),
-    "continue_final_message": _Rule(
-        lambda v: v in (None, False), "continuing the final message is not implemented"
-    ),
 }
 RULES: dict[str, dict[str, _Rule]] = {
     "completion": {**_COMMON, **_COMPLETION_ONLY},

@@ -101,8 +101,10 @@ class SamplingFields(_Request):
     def continuous_usage(self) -> bool:
         """True when every streamed chunk carries the usage so far: vLLM's rule, both
         `include_usage` and `continuous_usage_stats`."""
-        return self.include_usage and self.stream_options is not None and (
-            self.stream_options.continuous_usage_stats
+        return (
+            self.include_usage
+            and self.stream_options is not None
+            and (self.stream_options.continuous_usage_stats)
         )
 
 
@@ -147,9 +149,13 @@ class ToolCall(_Request):
 
 
 class ChatMessage(_Request):
-    """One message of a chat; content is text or a list of text parts."""
+    """One message of a chat; content is text or a list of text parts. As in vLLM, any role
+    and any further keys are taken and handed to the chat template, which decides what they
+    mean (a template that does not know a role may refuse it: a 400 naming messages)."""
 
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    # Keys beyond these reach the template as they are.
+    model_config = ConfigDict(extra="allow")
+    role: str = Field(min_length=1)
     content: str | list[ContentPart] | None = None
     name: str | None = None
     # Assistant messages: the calls it made; tool messages: the call this result answers.
@@ -208,6 +214,8 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     # Extension: end the prompt with the assistant turn's opening (the template's).
     add_generation_prompt: bool = True
+    # Extension: the final (assistant) message is left open, and the model continues it.
+    continue_final_message: bool = False
     tools: list[ToolDefinition] | None = None
     # Default: "auto" with tools, "none" without.
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

@@ -107,11 +107,18 @@ class RequestBuilder:
         tools = tool_request(body)
         answer = self._grammar(body)
         grammar = self._tool_grammars.check(tools, answer) if tools is not None else answer
+        if body.continue_final_message and body.add_generation_prompt:
+            raise InvalidRequest(
+                "continue_final_message: cannot be true with add_generation_prompt (set it"
+                " false): the final message is either continued or answered",
+                "continue_final_message",
+            )
         try:
             ids = self._tokenizer.encode_chat(
                 template_messages(message_dicts(body.messages)),
                 body.add_generation_prompt,
                 tools=[t.template_form() for t in tools.tools] if tools is not None else None,
+                continue_final_message=body.continue_final_message,
             )
         except ModelConfigError as exc:
             raise InvalidRequest(f"messages: {exc}", "messages") from exc
@@ -353,7 +360,8 @@ def message_dicts(chat: Sequence[ChatMessage]) -> list[dict[str, Any]]:
             raise InvalidRequest(
                 f"messages[{i}].tool_call_id: only tool messages answer a call", "messages"
             )
-        message: dict[str, Any] = {"role": m.role, "content": m.text() or ""}
+        message: dict[str, Any] = {**(m.model_extra or {}), "role": m.role,
+                                   "content": m.text() or ""}  # fmt: skip
         if m.name is not None:
             message["name"] = m.name
         if m.tool_calls:
