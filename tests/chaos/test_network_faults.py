@@ -16,13 +16,14 @@ packages, a kernel without them).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import statistics
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,30 +118,44 @@ class Cluster:
         wait_until("no worker holds pinned blocks", clean, 15)
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """A router, a prefill and a decode worker, each on its own machine."""
+def require_faults() -> None:
+    """Skip, saying why, where namespaces, iptables or tc are not available."""
     require_netns()
     reason = netfaults.probe_faults()
     if reason is not None:
         pytest.skip(reason)
-    workdir = tmp_path_factory.mktemp("netfaults")
+
+
+@contextlib.contextmanager
+def machines(
+    model: Path, workdir: Path, kv_cache_bytes: int, router_flags: Sequence[str]
+) -> Iterator[tuple[Lab, Proc, list[Proc]]]:
+    """A router, a prefill and a decode worker, each on its own machine, the KV on the wire;
+    (the lab, the router, the workers), all stopped by PID and the lab removed at the end."""
     with ExitStack() as stack:
         net = stack.enter_context(lab(["router", "prefill", "decode"]))
         handles = stack.enter_context(processes())
         addr = net.addresses
         for role in ("prefill", "decode"):
             args = ["--role", role, "--host", addr[role], "--port", "0", "--kv-port", "0",
-                    "--model", str(tiny_model_path), "--kv-cache-bytes", str(64 << 20),
+                    "--model", str(model), "--kv-cache-bytes", str(kv_cache_bytes),
                     *KV_OVER_THE_NETWORK]  # fmt: skip
             handles.append(spawn(role, "pdserve.worker.main", args, workdir, net.wrap(role)))
-        workers = [wait_ready(h) for h in handles]
-        args = ["--host", addr["router"], "--port", "0", "--model", str(tiny_model_path),
-                *(a for w in workers for a in ("--worker", w.url)),
-                "--health-deadline-s", "1", "--lease-ttl-s", "3", "--queue-timeout-s", "10",
-                "--request-timeout-s", "40"]  # fmt: skip
+        workers = [wait_ready(h, 120) for h in handles]
+        args = ["--host", addr["router"], "--port", "0", "--model", str(model),
+                *(a for w in workers for a in ("--worker", w.url)), *router_flags]  # fmt: skip
         handles.append(spawn("router", "pdserve.router.main", args, workdir, net.wrap("router")))
-        router = wait_ready(handles[-1])
+        yield net, wait_ready(handles[-1]), workers
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A router, a prefill and a decode worker, each on its own machine."""
+    require_faults()
+    flags = ["--health-deadline-s", "1", "--lease-ttl-s", "3", "--queue-timeout-s", "10",
+             "--request-timeout-s", "40"]  # fmt: skip
+    workdir = tmp_path_factory.mktemp("netfaults")
+    with machines(tiny_model_path, workdir, 64 << 20, flags) as (net, router, workers):
         c = Cluster(net, router, workers)
         for prompt in PROMPTS:
             status, text = c.ask(prompt)
@@ -237,28 +252,12 @@ def test_a_slow_kv_link_trips_the_breaker_and_requests_run_colocated(
     whole on the decode worker instead of waiting for their KV. The KV-path wait (first to
     second token: the handoff) of the split under the slow link is set against what the
     router chose, and the split's time to the second token without the fault."""
-    require_netns()
-    reason = netfaults.probe_faults()
-    if reason is not None:
-        pytest.skip(reason)
+    require_faults()
     rng = random.Random(32)
     prompts = [[rng.randrange(3, 2000) for _ in range(150)] for _ in range(8)]
-    with ExitStack() as stack:
-        net = stack.enter_context(lab(["router", "prefill", "decode"]))
-        handles = stack.enter_context(processes())
-        addr = net.addresses
-        for role in ("prefill", "decode"):
-            args = ["--role", role, "--host", addr[role], "--port", "0", "--kv-port", "0",
-                    "--model", str(kv_heavy_model_path), "--kv-cache-bytes", str(400 << 20),
-                    *KV_OVER_THE_NETWORK]  # fmt: skip
-            handles.append(spawn(role, "pdserve.worker.main", args, tmp_path, net.wrap(role)))
-        workers = [wait_ready(h, 120) for h in handles]
-        args = ["--host", addr["router"], "--port", "0", "--model", str(kv_heavy_model_path),
-                *(a for w in workers for a in ("--worker", w.url)),
-                "--local-prefill-threshold", "0", "--breaker-window", "4",
-                "--breaker-min-samples", "2", "--breaker-cooldown-s", "120"]  # fmt: skip
-        handles.append(spawn("router", "pdserve.router.main", args, tmp_path, net.wrap("router")))
-        router = wait_ready(handles[-1])
+    flags = ["--local-prefill-threshold", "0", "--breaker-window", "4",
+             "--breaker-min-samples", "2", "--breaker-cooldown-s", "120"]  # fmt: skip
+    with machines(kv_heavy_model_path, tmp_path, 400 << 20, flags) as (net, router, _):
 
         def body(k: int) -> dict[str, object]:
             return {"model": kv_heavy_model_path.name, "prompt": prompts[k], "max_tokens": 8,
