@@ -1,17 +1,20 @@
 # Two entry points a fresh machine needs: `make run` (serve the embedded default) and
 # `make test` (lint, type-check, tests). Both create .venv on first use.
 PY := .venv/bin/python
+# No bytecode compiled at install: it costs a fresh machine a minute for files no test imports
+# (torch alone has thousands); Python compiles what is imported, once, on first import.
+PIP := -m pip install -q --no-compile
 
 .venv/.installed: pyproject.toml
 	python3 -m venv .venv
 	# torch first and pinned, so nothing later can pull a different (CUDA) build.
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) $(PIP) torch==2.13.0
 	# NIXL (KV transport over UCX) without deps: plain `pip install nixl` pulls a CUDA torch.
-	$(PY) -m pip install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1
+	$(PY) $(PIP) --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 	# Triton, so the paged-decode kernel's tests run it on CPU in Triton's interpreter (no deps;
 	# a 286 MB wheel). A CUDA torch brings its own pinned Triton instead.
-	$(PY) -m pip install -q --no-deps triton==3.9.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) $(PIP) --no-deps triton==3.9.0
+	$(PY) $(PIP) -e '.[test]'
 	touch $@
 
 install: .venv/.installed
@@ -40,18 +43,18 @@ CLIENTS := .venv-clients
 
 $(CLIENTS)/guidellm/.installed:
 	rm -rf $(CLIENTS)/guidellm && python3 -m venv $(CLIENTS)/guidellm
-	$(CLIENTS)/guidellm/bin/python -m pip install -q torch==2.13.0
-	$(CLIENTS)/guidellm/bin/python -m pip install -q '$(GUIDELLM)'
+	$(CLIENTS)/guidellm/bin/python $(PIP) torch==2.13.0
+	$(CLIENTS)/guidellm/bin/python $(PIP) '$(GUIDELLM)'
 	echo '$(GUIDELLM)' > $@
 
 $(CLIENTS)/aiperf/.installed:
 	rm -rf $(CLIENTS)/aiperf && python3 -m venv $(CLIENTS)/aiperf
-	$(CLIENTS)/aiperf/bin/python -m pip install -q '$(AIPERF)'
+	$(CLIENTS)/aiperf/bin/python $(PIP) '$(AIPERF)'
 	echo '$(AIPERF)' > $@
 
 $(CLIENTS)/agents/.installed:
 	rm -rf $(CLIENTS)/agents && python3 -m venv $(CLIENTS)/agents
-	$(CLIENTS)/agents/bin/python -m pip install -q $(AGENTS)
+	$(CLIENTS)/agents/bin/python $(PIP) $(AGENTS)
 	echo '$(AGENTS)' > $@
 
 # A changed pin rebuilds that venv.
@@ -61,12 +64,18 @@ client-venvs:
 	@grep -qxF '$(AGENTS)' $(CLIENTS)/agents/.installed 2>/dev/null || rm -f $(CLIENTS)/agents/.installed
 	$(MAKE) $(CLIENTS)/guidellm/.installed $(CLIENTS)/aiperf/.installed $(CLIENTS)/agents/.installed
 
-test: install system-deps client-venvs
+# The venvs and the Debian packages install side by side (each is mostly one process's work).
+test:
+	$(MAKE) -j4 --output-sync=target install system-deps client-venvs
 	$(PY) -m ruff check pdserve pdlab tests benchmarks
 	$(PY) -m ruff format --check pdserve pdlab tests benchmarks
-	$(PY) -m mypy
-	# The outside-client tests must run here, not skip for want of their venvs.
-	PDSERVE_REQUIRE_CLIENTS=1 $(PY) -m pytest -q --durations=20
+	# mypy runs beside the unit tests (both pure CPU on a 2-core machine; the tests that time
+	# real processes come after them). The outside-client tests must run here, not skip for
+	# want of their venvs.
+	$(PY) -m mypy & mypy=$$!; \
+	PDSERVE_REQUIRE_CLIENTS=1 $(PY) -m pytest -q --durations=20 \
+		tests/unit tests/integration tests/clients tests/chaos; status=$$?; \
+	wait $$mypy && exit $$status
 
 # The GPU check (`pdserve bench gpu-check`: parity, engine speed at batch 1/32/128 and a
 # disaggregated run on one GPU, < 8 min on an H200), run with the machine's own CUDA torch and

@@ -41,6 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="report extra latency without failing on it (on a machine busy with other work)",
     )
     c.add_argument(
+        "--concurrency",
+        type=positive_int,
+        default=1,
+        help="scenarios run at once, each on its own cluster (faster; pair with"
+        " --no-latency-bound: they share the CPU)",
+    )
+    c.add_argument(
         "--plot",
         type=Path,
         default=None,
@@ -165,6 +172,7 @@ def _cmd_chaos(args: argparse.Namespace) -> int:
         workdir=args.workdir,
         strict_latency=not args.no_latency_bound,
         plot_dir=args.plot,
+        concurrency=args.concurrency,
     )
     return run_chaos(config)
 

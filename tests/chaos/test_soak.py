@@ -1,8 +1,8 @@
-"""The 90-second nemesis soak of CI (`pdserve chaos --soak 90 --seed 16`), judged as a user would.
+"""CI's nemesis soak (`pdserve chaos --soak 60 --fault-interval-s 6 --seed 13`), as a user sees it.
 
 One run with fixed seeds: a supervised cluster (local etcd, 2 prefill + 2 decode workers in
-network namespaces where the machine allows, 2 routers), a fault-free phase, then 90 s of
-mixed load while the nemesis applies a fault at least every 8 s (kills, pauses, damaged and
+network namespaces where the machine allows, 2 routers), a fault-free phase, then 60 s of
+mixed load while the nemesis applies a fault at least every 6 s (kills, pauses, damaged and
 stalled transfers, a partition, etcd restarts). Asserted, as issue 16 sets them: 0 divergent
 outputs, 0 lost or duplicated tokens, 0 leaked blocks, 0 requests past their deadline,
 availability >= 99 % excluding requests whose router was killed, no process left behind; and
@@ -29,8 +29,11 @@ pytestmark = [
     pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not on PATH (etcd-server)"),
 ]
 
-DURATION_S = 90.0
-INTERVAL_S = 8.0
+DURATION_S = 60.0
+INTERVAL_S = 6.0
+# The seed is chosen so that the plan strikes with every kind in KINDS at least once (checked
+# below); 60 s at one fault every 3-6 s does that in less time than 90 s at 4-8 s did.
+SEED = 13
 # Every kind but the link faults (loss, slow link: tests/chaos/test_network_faults.py runs
 # them on their own), in their declared order: the plan this seed gives with them is the one
 # this soak was judged on (kills, pauses, transfer faults, a partition, etcd restarts).
@@ -43,9 +46,9 @@ def soak(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Soa
     config = SoakConfig(
         duration_s=DURATION_S,
         rate=2.0,
-        seed=16,
+        seed=SEED,
         fault_interval_s=INTERVAL_S,
-        fault_free_s=20.0,
+        fault_free_s=14.0,
         nemesis=KINDS,
         model=str(tiny_model_path),
         workdir=workdir,
@@ -62,7 +65,7 @@ def test_the_soak_meets_every_target(soak: SoakResult) -> None:
     assert v.violations == [], render_report(soak)
     assert v.passed, v.missed
     s = v.soak
-    assert s.num_sent >= 100 and v.fault_free.num_sent >= 10
+    assert s.num_sent >= 100 and v.fault_free.num_sent >= 5
     assert (s.num_divergent, s.num_tokens_lost, s.num_tokens_duplicated) == (0, 0, 0)
     assert (v.num_leaked_blocks, s.num_past_deadline) == (0, 0)
     assert s.availability_excused >= 0.99
@@ -78,7 +81,8 @@ def test_faults_came_at_least_every_interval_and_overlapped(soak: SoakResult) ->
     starts = [0.0, *(f.start_s or 0.0 for f in applied), DURATION_S]
     # Skipped faults (a target still restarting) may widen a gap, never past two intervals.
     assert max(b - a for a, b in itertools.pairwise(starts)) <= 2 * INTERVAL_S
-    assert len({f.kind for f in applied}) >= 5
+    # CI's one run of every process, transfer, partition and etcd fault.
+    assert {f.kind for f in applied} == {k.value for k in KINDS}
     ends = [(f.start_s or 0.0, f.end_s or 0.0) for f in applied]
     assert any(a2 < e1 for (_, e1), (a2, _) in itertools.pairwise(ends))
     if soak.history.meta.netns_unavailable is None:
