@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--fault-interval-s", default="8", help="at least one fault starts in every such interval"
     )
     soak.add_argument("--fault-free-s", default="30", help="seconds of the fault-free phase")
+    soak.add_argument(
+        "--lease-ttl-s", default="4", help="the routers' lease TTL (pauses longer outlive it)"
+    )
     soak.add_argument("--min-availability", default="0.99", help="target, excluding router kills")
     soak.add_argument("--history", type=Path, default=None, help="write the history (JSON lines)")
     soak.add_argument(
@@ -129,6 +132,7 @@ def _cmd_soak(args: argparse.Namespace) -> int:
         history_path=args.history,
         plot_dir=args.plot,
         use_netns=not args.no_netns,
+        lease_ttl_s=_number("--lease-ttl-s", args.lease_ttl_s, float),
         targets=SoakTargets(_number("--min-availability", args.min_availability, float)),
     )
     return run_soak(config, "pdserve " + " ".join(sys.argv[1:]))

@@ -98,6 +98,8 @@ class SoakConfig:
     plot_dir: Path | None = None
     # Run workers in network namespaces when the machine allows (the partition fault needs it).
     use_netns: bool = True
+    # The routers' lease TTL: a shorter one makes every pause of a few seconds outlive a lease.
+    lease_ttl_s: float = LEASE_TTL_S
     targets: SoakTargets = field(default_factory=SoakTargets)
 
     def __post_init__(self) -> None:
@@ -106,6 +108,7 @@ class SoakConfig:
             ("--rate", self.rate, 0.01, 100.0),
             ("--fault-interval-s", self.fault_interval_s, 0.5, 3600.0),
             ("--fault-free-s", self.fault_free_s, 0.0, 24 * 3600.0),
+            ("--lease-ttl-s", self.lease_ttl_s, 0.2, 3600.0),
         )
         for flag, value, low, high in checks:
             if not (isinstance(value, int | float) and low <= value <= high):
@@ -179,7 +182,7 @@ def _up_config(config: SoakConfig, workdir: Path, etcd_host: str) -> UpConfig:
             *("--membership-ttl-s", str(MEMBERSHIP_TTL_S)),
         ),
         router_args=(
-            *("--lease-ttl-s", str(LEASE_TTL_S)),
+            *("--lease-ttl-s", str(config.lease_ttl_s)),
             *("--request-timeout-s", str(REQUEST_TIMEOUT_S)),
             *("--health-deadline-s", str(HEALTH_DEADLINE_S)),
             *("--timeline-ring", "20000"),
@@ -297,7 +300,7 @@ async def _phases(
         await nemesis.heal()
         await _wait_all_running(cluster, timeout_s=120.0)
         # One lease TTL for what the faults orphaned, and the reaper's period.
-        await asyncio.sleep(LEASE_TTL_S + 2.0)
+        await asyncio.sleep(config.lease_ttl_s + 2.0)
         after = await _pinned(client, cluster)
     given_up = tuple(
         f"{s.name}: {s.reason}" for s in sup.statuses() if s.state == ChildState.GIVEN_UP.value
