@@ -15,6 +15,7 @@ Infinity), denormals, lone surrogates (written as "\\udXXX" escapes), long strin
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -79,3 +80,37 @@ json_values = st.recursive(
     ),
     max_leaves=10,
 )
+
+
+# ---- raw HTTP ----------------------------------------------------------------------------------
+
+# Header values with no CR or LF (they would end the header), anything else: NUL, high bytes.
+header_values = st.binary(max_size=64).map(lambda b: b.replace(b"\r", b"").replace(b"\n", b""))
+
+
+async def raw_request(
+    host: str,
+    port: int,
+    method: bytes,
+    path: bytes,
+    headers: list[tuple[bytes, bytes]],
+    body: bytes,
+) -> tuple[int, bytes]:
+    """One HTTP/1.1 request written byte for byte (no client library cleans it); the status
+    and the body of the answer."""
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        head = [
+            method + b" " + path + b" HTTP/1.1",
+            b"Host: " + host.encode(),
+            b"Connection: close",
+        ]
+        head += [b"Content-Length: %d" % len(body)]
+        head += [name + b": " + value for name, value in headers]
+        writer.write(b"\r\n".join(head) + b"\r\n\r\n" + body)
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), timeout=10)
+    finally:
+        writer.close()
+    status_line, _, rest = answer.partition(b"\r\n")
+    return int(status_line.split()[1]), rest.partition(b"\r\n\r\n")[2]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import hmac
+import math
 import secrets
 import struct
 import time
@@ -53,7 +54,8 @@ def _encode_part(part: Part) -> bytes:
     if isinstance(part, bytes):
         return b"b" + part
     if isinstance(part, str):
-        return b"s" + part.encode()
+        # surrogatepass: a path with undecodable bytes still signs (and compares) as bytes.
+        return b"s" + part.encode("utf-8", "surrogatepass")
     if isinstance(part, bool):
         raise TypeError("mac_fields: bool is ambiguous with int; pass an int")
     if isinstance(part, int):
@@ -117,13 +119,17 @@ class CallVerifier:
         if not header:
             raise Unauthenticated(f"{where}: no {AUTH_HEADER} header (cluster credential needed)")
         parts = header.split(" ")
-        if len(parts) != 4 or parts[0] != SCHEME:
+        # Non-ASCII text (undecodable bytes arrive as lone surrogates) is no signature: refused
+        # here, before encode() or compare_digest() could raise on it.
+        if len(parts) != 4 or parts[0] != SCHEME or not header.isascii():
             raise Unauthenticated(f"{where}: {AUTH_HEADER} is not '{SCHEME} <ts> <nonce> <mac>'")
         _, timestamp, nonce, given = parts
         try:
             sent_at = float(timestamp)
         except ValueError:
-            raise Unauthenticated(f"{where}: {AUTH_HEADER} timestamp {timestamp!r}") from None
+            sent_at = math.nan
+        if not math.isfinite(sent_at):  # "nan" would pass every window comparison
+            raise Unauthenticated(f"{where}: {AUTH_HEADER} timestamp {timestamp!r}")
         if not 8 <= len(nonce) <= 64:
             raise Unauthenticated(f"{where}: {AUTH_HEADER} nonce must be 8..64 characters")
         want = _call_mac(self._key, method, path, timestamp, nonce, body)

@@ -18,8 +18,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TextIO
 from urllib.error import URLError
-from urllib.request import urlopen
+from urllib.request import Request, urlopen
 
+from pdserve.auth.keys import KeyKind, load_key
 from pdserve.cli.command import run
 from pdserve.cli.status import (
     ClusterStatus,
@@ -168,8 +169,12 @@ def render_frame(
 
 def fetch_metrics(router_url: str, timeout_s: float = 3.0) -> list[Sample]:
     """The router's /metrics, parsed."""
+    # A router whose /metrics has a key: the same key from the environment (never argv).
+    key = load_key(KeyKind.METRICS)
+    headers = {"Authorization": f"Bearer {key.text}"} if key is not None else {}
     try:
-        with urlopen(f"{router_url}/metrics", timeout=timeout_s) as resp:
+        request = Request(f"{router_url}/metrics", headers=headers)
+        with urlopen(request, timeout=timeout_s) as resp:
             return parse(resp.read().decode())
     except (URLError, OSError, ValueError) as exc:
         raise StatusError(f"router {router_url} did not answer /metrics: {exc}") from None

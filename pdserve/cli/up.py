@@ -8,10 +8,13 @@ file) configures the whole cluster.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable, Sequence
 
+from pdserve.auth.keys import refuse_keys_on_argv
 from pdserve.cli.command import run
 from pdserve.config_file import add_config_flag
+from pdserve.errors import ConfigError
 from pdserve.flags import add_engine_flags
 from pdserve.router.flags import add_policy_flags
 from pdserve.settings import add_fields, build
@@ -21,7 +24,7 @@ from pdserve.supervise.policy import RestartPolicy
 
 # `UpConfig`'s flags listed first in --help, before the router's and the engines'.
 _FIRST = ("num_prefill", "num_decode", "mode", "router_args", "model", "dtype", "block_size",
-          "host", "port", "api_key")  # fmt: skip
+          "host", "port", "api_key", "admin_key")  # fmt: skip
 
 
 def _added(
@@ -90,4 +93,9 @@ def _up(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str]) -> int:
     """Run the command; returns the exit status."""
+    try:
+        refuse_keys_on_argv(argv)
+    except ConfigError as exc:
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 2
     return run("up", build_parser(), _up, argv)

@@ -54,6 +54,16 @@ MAX_LEASE_TTL_S = 3600.0
 MAX_WAIT_S = 86400.0
 
 
+def body_limit_bytes(max_model_len: int) -> int:
+    """The largest request body the router and the workers read, from the model's length.
+
+    64 bytes per position covers a full-length prompt however it is written (token ids, text,
+    chat JSON with escapes) and 4 MiB the rest (tools, schemas, grammars); a fixed 1 MiB
+    (aiohttp's default) refused prompts of ~150k tokens that the model could take.
+    """
+    return 4 * 1024 * 1024 + 64 * max_model_len
+
+
 class WireModel(BaseModel):
     """Every wire model's base: unknown fields, NaN and infinities refused (400 naming them)."""
 

@@ -17,7 +17,6 @@ request never takes the router down.
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import json
 import logging
 import os
@@ -42,9 +41,10 @@ from pdserve.membership import open_membership
 from pdserve.model.config import load_config
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.observability import otel
-from pdserve.protocol.worker_api import WorkerHealth
+from pdserve.protocol.worker_api import WorkerHealth, body_limit_bytes
 from pdserve.router import debug_view
 from pdserve.router import metrics as metrics_mod
+from pdserve.router.access import check_access, is_loopback, plane_of
 from pdserve.router.api.openai_routes import OpenAIApi
 from pdserve.router.api.responses import error_body
 from pdserve.router.api.tokenize_routes import TokenizeApi
@@ -278,15 +278,31 @@ def _error(status: int, message: str, type_: str, **kw: str | None) -> web.Respo
     return web.json_response(text=body.model_dump_json(), status=status, headers=headers)
 
 
+def _local_address(request: web.Request) -> object:
+    # The address the connection arrived at (this socket's own end), not the peer's.
+    sockname = request.transport.get_extra_info("sockname") if request.transport else None
+    return sockname[0] if isinstance(sockname, tuple) and sockname else None
+
+
 def _middleware(config: RouterConfig, dispatcher: Dispatcher, metrics: RouterMetrics) -> Middleware:
+    keys = config.access_keys
+
     @web.middleware
     async def middleware(request: web.Request, handler: _Handler) -> web.StreamResponse:
-        if config.api_key is not None and request.path.startswith(("/v1/", "/admin/")):
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
-                return _error(401, "missing or wrong API key", "authentication_error")
+        refused = check_access(
+            plane_of(request.path),
+            keys,
+            request.headers.get("Authorization"),
+            on_loopback=is_loopback(_local_address(request)),
+        )
+        if refused is not None:
+            type_ = "authentication_error" if refused.status == 401 else "permission_error"
+            return _error(refused.status, refused.message, type_)
         try:
             return await handler(request)
+        except web.HTTPRequestEntityTooLarge as exc:
+            # aiohttp's text names the limit (which follows --max-model-len) and the size.
+            return _error(413, exc.text or "request body too large", "invalid_request_error")
         except (web.HTTPException, ConnectionResetError):
             raise
         except Exception as exc:
@@ -420,7 +436,10 @@ async def create_app(config: RouterConfig, clock: Clock | None = None) -> web.Ap
     watch = (
         HealthWatch(pool, client, config.health_deadline_s) if config.health_deadline_s else None
     )
-    app = web.Application(middlewares=[_middleware(config, dispatcher, metrics)])
+    app = web.Application(
+        middlewares=[_middleware(config, dispatcher, metrics)],
+        client_max_size=body_limit_bytes(max_model_len),
+    )
     api = OpenAIApi(config, tokenizer, max_model_len, dispatcher, metrics)
     metrics.handoff_spikes = api.spikes.counts
     api.add_routes(app)

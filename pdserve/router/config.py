@@ -6,12 +6,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from pdserve.auth.keys import ADMIN_KEY_FILE, API_KEY_FILE, METRICS_KEY_FILE, BearerKey
 from pdserve.auth.secret import SECRET_FILE, ClusterSecret
 from pdserve.errors import ConfigError
 from pdserve.faults import parse_rules
 from pdserve.membership.uri import parse_discovery
 from pdserve.protocol.checkpoint_policy import CheckpointPolicy
 from pdserve.protocol.worker_api import MAX_LEASE_TTL_S, MAX_WAIT_S
+from pdserve.router.access import AccessKeys
 from pdserve.router.mode.auto_mode import AutoConfig
 from pdserve.router.mode.interference import SLOConfig
 from pdserve.settings import flag, repeated, setting
@@ -226,8 +228,6 @@ class RouterConfig:
     host: str = setting("127.0.0.1")
     # 0 picks a free port (reported through ready_file).
     port: int = setting(0)
-    # When set, /v1 and /admin need "Authorization: Bearer <api_key>".
-    api_key: str | None = setting(None, type=str)
     ready_file: Path | None = setting(None, type=Path)
     # Whole request, from received to the last token.
     request_timeout_s: float = setting(
@@ -277,6 +277,18 @@ class RouterConfig:
         action="store_true",
         group="security",
         help="talk to workers started with --insecure-no-auth (no credential)",
+    )
+    # The planes' keys (`router/access.py`), from files or the environment, never argv.
+    api_key: BearerKey | None = setting(
+        None, API_KEY_FILE, help="/v1 needs this key (else $PDSERVE_API_KEY; none: open)"
+    )
+    admin_key: BearerKey | None = setting(
+        None,
+        ADMIN_KEY_FILE,
+        help="/admin and /debug need this key (else $PDSERVE_ADMIN_KEY; none: loopback only)",
+    )
+    metrics_key: BearerKey | None = setting(
+        None, METRICS_KEY_FILE, help="/metrics needs this key (else $PDSERVE_METRICS_KEY)"
     )
     # Names clients may pass as `model` (the first is listed first); () -> the folder's name.
     served_model_names: tuple[str, ...] = setting(
@@ -377,6 +389,11 @@ class RouterConfig:
             raise ConfigError("served-model-name: names must not be empty")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max-model-len: must be >= 2, got {self.max_model_len}")
+
+    @property
+    def access_keys(self) -> AccessKeys:
+        """The keys of the API, admin and metrics planes."""
+        return AccessKeys(self.api_key, self.admin_key, self.metrics_key)
 
     @property
     def http_key(self) -> bytes | None:

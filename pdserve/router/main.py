@@ -20,8 +20,10 @@ from pathlib import Path
 
 from aiohttp import web
 
+from pdserve.auth.keys import refuse_keys_on_argv
 from pdserve.config_file import add_config_flag
 from pdserve.errors import PdserveError
+from pdserve.router.access import exposed_warnings
 from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
 from pdserve.router.flags import add_policy_flags, policy_configs
@@ -42,8 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
     """Parse flags (and a --config file) into a validated RouterConfig."""
+    argv = sys.argv[1:] if argv is None else argv
+    refuse_keys_on_argv(argv)
     parser = build_parser()
-    args = parse_args(parser, sys.argv[1:] if argv is None else argv)
+    args = parse_args(parser, argv)
     config = build(RouterConfig, args, **policy_configs(args))
     config.chat_template_text()  # a bad --chat-template fails here, at start
     return config
@@ -68,7 +72,10 @@ async def serve(config: RouterConfig) -> None:
     # With --port 0 the kernel picked the port; the runner knows the bound address.
     port = runner.addresses[0][1]
     url = f"http://{config.host}:{port}"
-    logging.getLogger(__name__).info("router listening on %s (mode %s)", url, config.mode)
+    log = logging.getLogger(__name__)
+    log.info("router listening on %s (mode %s)", url, config.mode)
+    for warning in exposed_warnings(config.host, config.access_keys):
+        log.warning("%s", warning)
     if config.ready_file is not None:
         write_ready_file(config.ready_file, url)
     stop = asyncio.Event()

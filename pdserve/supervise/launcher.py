@@ -36,6 +36,7 @@ from types import FrameType
 from urllib.parse import urlsplit
 from urllib.request import urlopen
 
+from pdserve.auth.keys import ADMIN_KEY_FILE, API_KEY_FILE, BearerKey, key_environment
 from pdserve.auth.secret import ENV_VAR, new_secret_text, write_secret_file
 from pdserve.config import BLOCK_SIZE, DTYPE, MODEL
 from pdserve.errors import ConfigError
@@ -104,7 +105,15 @@ class UpConfig:
     host: str = setting("127.0.0.1")
     # The first router's port; router i listens on port + i (0: each picks a free port).
     port: int = setting(8000, type=port_number, help="first router's port (then +1, ...)")
-    api_key: str | None = setting(None, type=str)
+    # Handed to the routers in their environment, never on their command lines.
+    api_key: BearerKey | None = setting(
+        None, API_KEY_FILE, help="the routers' /v1 key (else $PDSERVE_API_KEY; none: open)"
+    )
+    admin_key: BearerKey | None = setting(
+        None,
+        ADMIN_KEY_FILE,
+        help="the routers' /admin and /debug key (else $PDSERVE_ADMIN_KEY; none: loopback only)",
+    )
     # The flags listed after the router's and the engines'.
     num_routers: int = setting(1, name="routers", type=positive_int, help="routers (one port each)")
     # Start (and supervise) an etcd on `etcd_host` for the membership.
@@ -201,7 +210,6 @@ def router_specs(
             for url in worker_urls:
                 args += ["--worker", url]
         args += ["--model", c.model] if c.model else []
-        args += ["--api-key", c.api_key] if c.api_key else []
         name = "router" if c.num_routers == 1 else f"router-{i}"
         specs.append(ChildSpec(name, ChildKind.ROUTER, (*args, *c.router_args)))
     return specs
@@ -254,7 +262,7 @@ class Cluster:
             pin=pin_ports,
             notify=notify or (lambda message: print(f"pdserve up: {message}", file=sys.stderr)),
             on_change=self._write_state,
-            env={ENV_VAR: self.secret},
+            env={ENV_VAR: self.secret, **key_environment(config.api_key, config.admin_key)},
         )
         self.discovery: str | None = config.discovery
         self.router_urls: list[str] = []
@@ -372,7 +380,8 @@ def run_up(config: UpConfig) -> int:
         url = cluster.start()
         with urlopen(f"{url}/health", timeout=5) as resp:
             model = json.loads(resp.read()).get("model", "pdserve")
-        auth = f' -H "Authorization: Bearer {config.api_key}"' if config.api_key else ""
+        # The key's variable, never its value: this line lands in terminals and logs.
+        auth = ' -H "Authorization: Bearer $PDSERVE_API_KEY"' if config.api_key else ""
         routers = ", ".join(cluster.router_urls)
         membership = f"etcd {cluster.discovery}" if cluster.discovery else "static"
         print(

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -49,10 +50,15 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-def post(url: str, body: dict[str, object]) -> dict[str, object]:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
+# The keys `up` takes from its environment and hands to its routers (issue 31: never argv).
+API_KEY = "api-key-of-the-up-test"
+ADMIN_KEY = "admin-key-of-the-up-test"
+
+
+def post(url: str, body: dict[str, object], key: str | None = API_KEY) -> dict[str, object]:
+    headers = {"Content-Type": "application/json"}
+    headers |= {"Authorization": f"Bearer {key}"} if key else {}
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
     with urllib.request.urlopen(req, timeout=60) as resp:
         return json.loads(resp.read())  # type: ignore[no-any-return]
 
@@ -63,6 +69,7 @@ def cluster(tiny_model_path: Path, tmp_path: Path):  # type: ignore[no-untyped-d
     # As a user starts it (`make run`): no cluster secret in the environment, `up` makes one.
     env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
     env["PDSERVE_CACHE"] = str(tmp_path)
+    env |= {"PDSERVE_API_KEY": API_KEY, "PDSERVE_ADMIN_KEY": ADMIN_KEY}
     # The tiny model is already built in the session cache; point the cluster at it.
     proc = subprocess.Popen(
         [
@@ -95,7 +102,7 @@ def cluster(tiny_model_path: Path, tmp_path: Path):  # type: ignore[no-untyped-d
                 )
         assert "pdserve is up at" in line
         curl = proc.stdout.readline() if proc.stdout else ""
-        yield f"http://127.0.0.1:{port}", proc, curl, tmp_path / "up.json", env
+        yield f"http://127.0.0.1:{port}", proc, line + curl, tmp_path / "up.json", env
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -107,8 +114,10 @@ def cluster(tiny_model_path: Path, tmp_path: Path):  # type: ignore[no-untyped-d
 
 
 def test_up_serves_status_and_stops_cleanly(cluster, tiny_model_path: Path) -> None:  # type: ignore[no-untyped-def]
-    url, proc, curl, state_file, env = cluster
+    url, proc, printed, state_file, env = cluster
+    curl = printed.splitlines()[-1]
     assert curl.startswith(f"curl {url}/v1/completions")
+    assert "$PDSERVE_API_KEY" in curl
     body = {
         "model": tiny_model_path.name,
         "prompt": "The quick brown fox",
@@ -143,8 +152,21 @@ def test_up_serves_status_and_stops_cleanly(cluster, tiny_model_path: Path) -> N
 
     children = [c["pid"] for c in json.loads(state_file.read_text())["children"]]
     assert len(children) == 3 and all(pid_alive(p) for p in children)
+    # The keys work, and are on no command line (of up or its children) and in no output.
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        post(f"{url}/v1/completions", body, key=None)
+    assert refused.value.code == 401
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        post(f"{url}/admin/mode", {"mode": "colocated"}, key=API_KEY)
+    assert refused.value.code == 401  # the API key is not the admin key
+    for pid in (proc.pid, *children):
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert API_KEY.encode() not in cmdline and ADMIN_KEY.encode() not in cmdline, pid
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 0
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    for text in (printed, out, err):
+        assert API_KEY not in text and ADMIN_KEY not in text
     assert not any(pid_alive(p) for p in children)
     with socket.socket() as s:
         # SO_REUSEADDR ignores TIME_WAIT leftovers but still fails if anything listens.

@@ -35,14 +35,19 @@ def test_flags_build_up_config() -> None:
     assert (config.model, config.dtype, config.block_size) == ("/m", "bfloat16", 32)
 
 
-def test_options_from_the_environment_and_a_file(tmp_path: Path) -> None:
+def test_options_from_the_environment_and_a_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tmp_path / "up.yaml"
     path.write_text("mode: auto\ndecode: 2\nrouters: 2\nliveness-timeout-s: 12.5\n")
-    environ = {"PDSERVE_API_KEY": "k", "PDSERVE_ROUTERS": "3", "PDSERVE_ETCD": "yes"}
+    # Keys come from the process environment (or a file), as the children will read them.
+    monkeypatch.setenv("PDSERVE_API_KEY", "k-from-the-env")
+    environ = {"PDSERVE_ROUTERS": "3", "PDSERVE_ETCD": "yes"}
     config = _config(["--config", str(path)], environ)
     # auto mode without --prefill: no prefill-only workers.
     assert (config.mode, config.num_prefill, config.num_decode) == ("auto", 0, 2)
-    assert (config.num_routers, config.api_key, config.local_etcd) == (3, "k", True)
+    assert (config.num_routers, config.local_etcd) == (3, True)
+    assert config.api_key is not None and config.api_key.text == "k-from-the-env"
     assert config.liveness_timeout_s == 12.5
 
 
@@ -67,13 +72,15 @@ def test_a_bad_value_names_the_variable_or_the_key(
         _config(argv, environ)
 
 
-def test_children_get_the_flags_they_always_got() -> None:
+def test_children_get_the_flags_they_always_got(tmp_path: Path) -> None:
+    key_file = tmp_path / "api-key"
+    key_file.write_text("k-from-a-file\n")
     argv = ["--model", "/m", "--dtype", "bfloat16", "--block-size", "32", "--max-num-seqs", "8"]
     argv += [
         "--slo-tpot-ms",
         "30",
-        "--api-key",
-        "k",
+        "--api-key-file",
+        str(key_file),
         "--max-model-len",
         "128",
         "--mode",
@@ -100,5 +107,8 @@ def test_children_get_the_flags_they_always_got() -> None:
     (router,) = router_specs(config, ["http://w:1"], None)
     assert router.argv == (
         *("pdserve.router.main", "--host", "127.0.0.1", "--port", "8000", "--mode", "colocated"),
-        *("--worker", "http://w:1", "--model", "/m", "--api-key", "k", *config.router_args),
+        *("--worker", "http://w:1", "--model", "/m", *config.router_args),
     )
+    # The key reaches the routers through their environment, never their command line.
+    assert config.api_key is not None and config.api_key.text == "k-from-a-file"
+    assert "k-from-a-file" not in " ".join(router.argv)

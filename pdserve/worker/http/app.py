@@ -58,6 +58,7 @@ from pdserve.protocol.worker_api import (
     ReserveRequest,
     TokenEvent,
     Transport,
+    body_limit_bytes,
 )
 from pdserve.worker.checkpoint.prefix_source import PrefixCacheSource
 from pdserve.worker.checkpoint.routes import CheckpointService
@@ -144,7 +145,9 @@ class WorkerAPI:
         middlewares = [error_middleware(self.worker_id), auth_middleware(self.verifier)]
         if self.faults is not None:
             middlewares.append(_close_on_fault)  # inner: runs before errors are rendered
-        app = web.Application(middlewares=middlewares)
+        app = web.Application(
+            middlewares=middlewares, client_max_size=body_limit_bytes(self.info.max_model_len)
+        )
         observe = self.observe
         app.add_routes(
             [

@@ -102,6 +102,10 @@ def error_middleware(worker_id: str) -> Middleware:
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             return await handler(request)
+        except web.HTTPRequestEntityTooLarge as exc:
+            # aiohttp's text names the limit and the body's size.
+            body = ErrorBody(error=exc.text or "", type="BodyTooLarge", worker_id=worker_id)
+            return web.json_response(text=body.model_dump_json(), status=413)
         except web.HTTPException:
             raise
         except (pydantic.ValidationError, PdserveError) as exc:

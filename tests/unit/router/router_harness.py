@@ -12,6 +12,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from cluster_auth import SECRET
 from fake_worker import FakeWorker
 
+from pdserve.auth.keys import BearerKey, KeyKind
 from pdserve.clock import Clock
 from pdserve.router.app import create_app
 from pdserve.router.config import Mode, RouterConfig
@@ -43,7 +44,11 @@ async def router(
         **config,
     }
     router_config = RouterConfig(
-        workers=tuple(w.url for w in workers), model=model, mode=mode, api_key=api_key, **settings
+        workers=tuple(w.url for w in workers),
+        model=model,
+        mode=mode,
+        api_key=None if api_key is None else BearerKey(api_key, KeyKind.API, "test"),
+        **settings,
     )
     client = TestClient(TestServer(await create_app(router_config, clock)))
     await client.start_server()

@@ -283,10 +283,10 @@ def test_malformed_json_auth_and_models(model: Path, tokens: list[int]) -> None:
     both = FakeWorker("both", tokens)
 
     async def body() -> None:
-        async with router(model, [both], mode="colocated", api_key="sekret") as client:
+        async with router(model, [both], mode="colocated", api_key="sekret-key") as client:
             resp = await client.post("/v1/completions", json=completion())
             assert resp.status == 401
-            auth = {"Authorization": "Bearer sekret"}
+            auth = {"Authorization": "Bearer sekret-key"}
             resp = await client.post("/v1/completions", data=b"{nope", headers=auth)
             assert resp.status == 400
             assert (await resp.json())["error"]["code"] == "invalid_json"
