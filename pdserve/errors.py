@@ -19,7 +19,9 @@ field, the worker, the frame.
     ├── WrongRole                       the endpoint is not served by this worker's role
     ├── AuthError                       the cluster credential is missing or wrong
     │   ├── Unauthenticated             no credential at all (HTTP 401)
-    │   └── Forbidden                   forged, expired or replayed credential (HTTP 403)
+    │   ├── Forbidden                   forged, expired or replayed credential (HTTP 403)
+    │   └── StaleInstance               a call meant for an earlier life of this worker (HTTP 410;
+    │                                   retryable: the router re-reads the worker and recovers)
     ├── DeadlineExceeded                the request's deadline passed while a worker waited
     ├── PeerCallError                   a worker's call to another worker failed (retryable)
     ├── EngineError
@@ -168,6 +170,13 @@ class Unauthenticated(AuthError):
 
 class Forbidden(AuthError):
     """The credential is forged, outside its time window or a replay (HTTP 403)."""
+
+
+class StaleInstance(AuthError):
+    """A call signed for an earlier instance of this worker (it restarted at the same address):
+    whatever the caller relied on there died with that instance (HTTP 410)."""
+
+    retryable = True
 
 
 class DeadlineExceeded(PdserveError):

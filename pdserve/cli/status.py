@@ -59,6 +59,9 @@ class WorkerRow:
     assigned_role: str | None = None
     # "cpu" or "cuda", from the worker's fingerprint (which names it only when not "cpu").
     device: str | None = None
+    # This life of the worker (new at each restart), and the restarts the router saw.
+    instance_id: str | None = None
+    num_restarts: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +185,7 @@ def collect_status(router_url: str, timeout_s: float = 3.0) -> ClusterStatus:
             "num_inflight": entry.get("num_inflight"),
             "routable": entry.get("healthy"),
             "assigned_role": _str_or_none(entry.get("assigned_role")),
+            "num_restarts": entry.get("num_restarts"),
         }
         try:
             h = WorkerHealth.model_validate(_get_json(f"{url}/health", timeout_s))
@@ -204,6 +208,7 @@ def collect_status(router_url: str, timeout_s: float = 3.0) -> ClusterStatus:
                 h.transfer_address,
                 num_active_leases=h.num_active_leases,
                 device=str(h.fingerprint.get("device", "cpu")),
+                instance_id=h.instance_id or None,
                 **seen,
             )
         )
@@ -274,7 +279,8 @@ def render_table(status: ClusterStatus) -> str:
         + ("" if rate is None else f" ({rate:.0%} failed)")
         + f"  model {status.model}",
         f"{'worker':<12}{'role':<9}{'pid':>8}  {'url':<24}{'grp':<4}{'dev':<5}{'fingerprint':<14}"
-        f"{'free/total':>12}{'pinned':>8}{'run':>5}{'wait':>5}{'lease':>6}{'infl':>5}",
+        f"{'free/total':>12}{'pinned':>8}{'run':>5}{'wait':>5}{'lease':>6}{'infl':>5}"
+        f"  {'instance':<10}{'rst':>3}",
     ]
     for w in status.workers:
         if not w.up:
@@ -291,7 +297,7 @@ def render_table(status: ClusterStatus) -> str:
             f"{_cell(w.device):<5}"
             f"{(w.fingerprint or '')[:12]:<14}{blocks:>12}{w.num_pinned_blocks:>8}"
             f"{w.num_running:>5}{w.num_waiting:>5}{_cell(w.num_active_leases):>6}"
-            f"{_cell(w.num_inflight):>5}"
+            f"{_cell(w.num_inflight):>5}  {(w.instance_id or '-')[:8]:<10}{_cell(w.num_restarts):>3}"
         )
     for g in status.groups:
         mark = "compatible" if g.compatible else "not paired by the router"

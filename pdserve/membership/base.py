@@ -41,6 +41,9 @@ class Member:
     fingerprint_digest: str | None = None
     # "host:port" of the KV endpoint of a decode/both worker.
     transfer_address: str | None = None
+    # The worker process's life (drawn at start): a restart at the same URL changes it, so the
+    # membership reports the record as updated and the router trusts nothing from before.
+    instance_id: str | None = None
 
 
 # Called with every member, in join order, on start and after each change.

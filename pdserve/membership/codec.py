@@ -4,7 +4,11 @@ Layout: one key per worker, `<prefix>/workers/<worker_id>`, attached to the work
 whose value is a JSON object (sorted keys, versioned):
 
     {"version": 1, "worker_id": "decode-0", "url": "http://10.0.0.5:8101", "role": "decode",
-     "fingerprint_digest": "…", "transfer_address": "10.0.0.5:8102"}
+     "fingerprint_digest": "…", "transfer_address": "10.0.0.5:8102",
+     "instance_id": "9f1c…"}
+
+`instance_id` (optional, as `transfer_address` is) names the process's life: a worker that
+restarts at the same address registers a new one.
 
 A reader rejects a value it cannot trust (not JSON, unknown version, a field missing or of
 the wrong type) with a MembershipError naming the field, and never guesses.
@@ -56,6 +60,7 @@ def encode_member(member: Member) -> bytes:
         "role": member.role,
         "fingerprint_digest": member.fingerprint_digest,
         "transfer_address": member.transfer_address,
+        "instance_id": member.instance_id,
     }
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
@@ -80,15 +85,15 @@ def decode_member(value: bytes) -> Member:
             )
     if not body["url"].startswith(("http://", "https://")):
         raise MembershipError(f"registration field 'url': {body['url']!r} is not an http(s) URL")
-    transfer = body.get("transfer_address")
-    if transfer is not None and not isinstance(transfer, str):
-        raise MembershipError(
-            f"registration field 'transfer_address': {transfer!r} is not a string"
-        )
+    optional = {name: body.get(name) for name in ("transfer_address", "instance_id")}
+    for name, found in optional.items():
+        if found is not None and not isinstance(found, str):
+            raise MembershipError(f"registration field {name!r}: {found!r} is not a string")
     return Member(
         url=body["url"].rstrip("/"),
         worker_id=body["worker_id"],
         role=body["role"],
         fingerprint_digest=body["fingerprint_digest"],
-        transfer_address=transfer,
+        transfer_address=optional["transfer_address"],
+        instance_id=optional["instance_id"],
     )

@@ -180,6 +180,9 @@ class WorkerHealth(WireModel):
     """What the router needs to place work on this worker."""
 
     worker_id: str
+    # Drawn at each process start: a worker restarted at the same address has a new one, and
+    # calls signed for the old one are refused (StaleInstance). Empty: not told (tests' fakes).
+    instance_id: str = ""
     role: Role
     pid: int
     # Fingerprint fields (see pdserve.model.fingerprint) and its digest.

@@ -84,6 +84,10 @@ class WorkerSummary(BaseModel):
     url: str
     healthy: bool
     worker_id: str | None
+    # The worker process's life it answered as last (a restart at the same URL changes it).
+    instance_id: str | None = None
+    # Times the router saw this URL answer as a new instance (restarts at the same address).
+    num_restarts: int = 0
     role: str | None
     # The role the router gave this `both` worker (split by auto mode or an operator), if any.
     assigned_role: str | None = None
@@ -183,6 +187,8 @@ class _Routes:
                 url=v.url,
                 healthy=v.healthy,
                 worker_id=v.health.worker_id if v.health else None,
+                instance_id=(v.health.instance_id or None) if v.health else None,
+                num_restarts=self._pool.num_restarts(v.url),
                 role=v.health.role if v.health else None,
                 assigned_role=v.assigned_role,
                 fingerprint_digest=v.health.fingerprint_digest if v.health else None,

@@ -16,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import time
 from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 
-from pdserve.auth.signing import CallVerifier
+from pdserve.auth.signing import CallVerifier, call_target
 from pdserve.engine.engine import Engine
 from pdserve.engine.kv_events import KVEventLog
 from pdserve.faults import FaultInjector, parse_rules
@@ -80,6 +81,8 @@ class Worker:
         self._session: aiohttp.ClientSession | None = None
         self.registration: Registration | None = None
         self.events = EventRing(config.worker_id, config.timeline_ring)
+        # This life of the worker: a restart at the same address draws another (issue 30).
+        self.instance_id = secrets.token_hex(8)
 
     async def start(self) -> str:
         """Bring every part up; returns the HTTP URL once it listens."""
@@ -131,6 +134,8 @@ class Worker:
             # Any worker's cached prefix can spare a resuming peer its recomputation.
             self.cache_source = PrefixCacheSource(c, info, self.engine, transports)
         http_key = c.http_key
+        # The worker id its /health reports: the router signs its calls for that and the instance.
+        target = call_target(c.worker_id, self.instance_id)
         api = WorkerAPI(
             c,
             info,
@@ -140,11 +145,12 @@ class Worker:
             self.outbox,
             faults=self.faults,
             events=self.events,
-            verifier=None if http_key is None else CallVerifier(http_key, time.time),
+            verifier=None if http_key is None else CallVerifier(http_key, time.time, target=target),
             local_transports=transports,
             kv_streams=self.kv_streams,
             checkpoints=self.checkpoints,
             cache_source=self.cache_source,
+            instance_id=self.instance_id,
         )
         # handler_cancellation: a client that disconnects cancels its handler, whose cleanup
         # aborts the request in the engine.
@@ -180,6 +186,7 @@ class Worker:
         return Member(
             url=f"http://{host}:{port}",
             worker_id=c.worker_id or f"{c.role}-{os.getpid()}",
+            instance_id=self.instance_id,
             role=c.role,
             fingerprint_digest=fingerprint_digest,
             transfer_address=transfer,

@@ -45,10 +45,10 @@ def test_the_table_shows_groups_breaker_mode_and_down_workers() -> None:
     )
     assert lines[1].split() == [
         "worker", "role", "pid", "url", "grp", "dev", "fingerprint", "free/total", "pinned", "run",
-        "wait", "lease", "infl",
+        "wait", "lease", "infl", "instance", "rst",
     ]  # fmt: skip
     assert lines[3].split() == ["d-1", "both", "12", "http://b", "-", "cuda", "aaaaaaaaaaaa", "50/64",
-                                "4", "1", "2", "-", "-"]  # fmt: skip
+                                "4", "1", "2", "-", "-", "-", "-"]  # fmt: skip
     assert lines[5].split()[:3] == ["?", "down", "http://d"]
     assert lines[6] == "group A aaaaaaaaaaaa: 2 worker(s) p-1, d-1 (compatible)"
     assert lines[7] == (

@@ -17,8 +17,9 @@ no step left: the request fails with the error that ended its last step.
     resume   a local-prefill or migration stream broke    resume_failed       migrate
 
 A worker that no longer knows the request (404: its reservation or lease expired while the
-other side was paused, or it restarted) is `state_lost`: recoverable like a dead worker,
-never a 502.
+other side was paused) or that restarted at the same address since the router last read it
+(410 StaleInstance: the call was signed for its earlier life) is `state_lost`: recoverable
+like a dead worker, never a 502.
 
 `retry_transfer` (resending the held snapshot) happens inside the prefill worker, before a
 handoff counts as failed, so it is not a step here.
@@ -50,7 +51,9 @@ class Cause(enum.Enum):
 
     UNREACHABLE = "unreachable"  # connection refused, reset or timed out; the stream broke
     REFUSED = "refused"  # a refusal another worker may not share (503, no blocks, bad KV)
-    STATE_LOST = "state_lost"  # 404: it no longer knows the request (expired, restarted)
+    # 404: it no longer knows the request (expired); 410: the call was signed for an earlier
+    # life of the worker (it restarted at the same address, StaleInstance).
+    STATE_LOST = "state_lost"
     BAD_REQUEST = "bad_request"  # 400: the request itself; every worker would say the same
     FATAL = "fatal"  # anything else that is not worth another worker (a deadline)
     NO_PREFILL = "no_prefill"  # decode workers are up, none has a usable prefill partner
@@ -62,7 +65,7 @@ def cause_of(exc: RouterError) -> Cause:
         return Cause.UNREACHABLE
     if isinstance(exc, WorkerCallError) and exc.status == 400:
         return Cause.BAD_REQUEST
-    if isinstance(exc, WorkerCallError) and exc.status == 404:
+    if isinstance(exc, WorkerCallError) and exc.status in (404, 410):
         return Cause.STATE_LOST
     return Cause.REFUSED if exc.retryable else Cause.FATAL
 

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import aiohttp
 from pydantic import BaseModel, ValidationError
 
-from pdserve.auth.signing import auth_headers
+from pdserve.auth.signing import auth_headers, call_target
 from pdserve.errors import RouterError, WorkerCallError, WorkerUnreachable
 from pdserve.protocol.worker_api import (
     DecodeRequest,
@@ -81,6 +81,22 @@ class WorkerClient:
         # Token streams and control calls open per worker URL, so `abandon` can cut them.
         self._streams: dict[str, set[aiohttp.ClientResponse]] = {}
         self._calls: dict[str, set[asyncio.Future[Any]]] = {}
+        # worker URL -> `<worker id>/<instance id>` its calls are signed for (the pool sets it
+        # from each /health): a call can then only land on the life of the worker it was
+        # meant for, never on a process restarted at the same address.
+        self._targets: dict[str, str] = {}
+
+    def set_target(self, url: str, worker_id: str, instance_id: str) -> bool:
+        """Sign calls to `url` for this life of the worker; True when it is a new instance
+        (the worker restarted since its last /health: the caller drops what it held there)."""
+        target = call_target(worker_id, instance_id)
+        before = self._targets.get(url)
+        self._targets[url] = target
+        return before is not None and before != target
+
+    def forget_target(self, url: str) -> None:
+        """The worker left the pool: its next life starts unknown."""
+        self._targets.pop(url, None)
 
     def abandon(self, url: str) -> int:
         """Cut every open token stream and control call to `url` (it left the pool); returns
@@ -191,7 +207,7 @@ class WorkerClient:
 
     async def _get(self, url: str, path: str, model: type[_M], timeout_s: float) -> _M:
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self._timeouts.connect_s)
-        headers = auth_headers(self._key, "GET", path, b"")
+        headers = auth_headers(self._key, "GET", path, b"", self._targets.get(url))
         try:
             async with self._session.get(url + path, timeout=timeout, headers=headers) as resp:
                 return await _parse(url, resp, model)
@@ -203,18 +219,18 @@ class WorkerClient:
     ) -> _M:
         return await self._abandonable(url, self._post_once(url, path, body, model, timeout_s))
 
-    def _signed(self, path: str, body: BaseModel) -> tuple[bytes, dict[str, str]]:
-        """A POST's body and headers, signed for the cluster."""
+    def _signed(self, url: str, path: str, body: BaseModel) -> tuple[bytes, dict[str, str]]:
+        """A POST's body and headers, signed for the cluster and the worker's current life."""
         data = body.model_dump_json().encode()
         headers = {"Content-Type": "application/json"}
-        headers.update(auth_headers(self._key, "POST", path, data))
+        headers.update(auth_headers(self._key, "POST", path, data, self._targets.get(url)))
         return data, headers
 
     async def _post_once(
         self, url: str, path: str, body: BaseModel, model: type[_M], timeout_s: float
     ) -> _M:
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self._timeouts.connect_s)
-        data, headers = self._signed(path, body)
+        data, headers = self._signed(url, path, body)
         try:
             async with self._session.post(
                 url + path, data=data, headers=headers, timeout=timeout
@@ -231,7 +247,7 @@ class WorkerClient:
             sock_connect=self._timeouts.connect_s,
             sock_read=self._timeouts.stream_read_s,
         )
-        data, headers = self._signed(path, body)
+        data, headers = self._signed(url, path, body)
         try:
             async with self._session.post(
                 url + path, data=data, headers=headers, timeout=timeout

@@ -72,6 +72,8 @@ class _Entry:
     # When its last poll began (loop time), and that poll while it runs.
     polled_at: float = float("-inf")
     polling: asyncio.Task[None] | None = None
+    # Polls that found a new instance at this URL (the worker restarted at its address).
+    num_restarts: int = 0
 
     @property
     def url(self) -> str:
@@ -135,6 +137,7 @@ class WorkerPool:
         for member in diff.removed:
             entry = self._entries.pop(normalize_url(member.url))
             num_cut = self._client.abandon(entry.url)
+            self._client.forget_target(entry.url)
             log.info(
                 "pool: %s (%s) left; %d open streams cut",
                 entry.url,
@@ -198,6 +201,21 @@ class WorkerPool:
                 entry.health, entry.healthy = health, False
                 entry.last_error = entry.model_problem
                 return
+        if health.instance_id and self._client.set_target(
+            entry.url, health.worker_id, health.instance_id
+        ):
+            # Restarted at the same address: nothing the old life held is there any more.
+            # Calls still open to it are cut (they fail over), and the capacity it showed is
+            # not compared with the new life's.
+            num_cut = self._client.abandon(entry.url)
+            log.warning(
+                "pool: %s restarted (now instance %s); %d open calls cut",
+                entry.url,
+                health.instance_id,
+                num_cut,
+            )
+            entry.num_restarts += 1
+            entry.health, was_healthy = None, False
         before = entry.health.num_free_blocks if entry.health is not None else None
         entry.health = health
         entry.healthy = True
@@ -249,6 +267,11 @@ class WorkerPool:
             for e in self._entries.values()
             if e.model_problem is not None
         ]
+
+    def num_restarts(self, url: str) -> int:
+        """Times `url` answered as a new instance of its worker (restarts seen)."""
+        entry = self._entries.get(url)
+        return 0 if entry is None else entry.num_restarts
 
     def last_error(self, url: str) -> str | None:
         """The last poll or call failure recorded for `url`."""

@@ -108,8 +108,11 @@ class WorkerAPI:
         kv_streams: KVEventStreams | None = None,
         checkpoints: CheckpointService | None = None,
         cache_source: PrefixCacheSource | None = None,
+        instance_id: str = "",
     ) -> None:
         self.config = config
+        # This process's life at its address (drawn at start; /health and membership carry it).
+        self.instance_id = instance_id
         self.worker_id = config.worker_id
         self.info = info
         self.engine = engine

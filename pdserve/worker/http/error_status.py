@@ -30,6 +30,7 @@ from pdserve.errors import (
     PdserveError,
     PromptTooLong,
     RequestNotFound,
+    StaleInstance,
     TransportUnavailable,
     Unauthenticated,
     Unauthorized,
@@ -45,6 +46,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Checked in order: the first class the error is an instance of decides the status.
 _STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (Unauthenticated, 401),
+    (StaleInstance, 410),
     (Forbidden, 403),
     (NoFreeBlocks, 503),
     (Overloaded, 503),

@@ -74,6 +74,7 @@ class ObserveRoutes:
         info = api.info
         body = WorkerHealth(
             worker_id=api.worker_id,
+            instance_id=api.instance_id,
             role=api.config.role,  # type: ignore[arg-type]  # validated by WorkerConfig
             pid=os.getpid(),
             fingerprint=info.fingerprint,

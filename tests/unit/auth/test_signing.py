@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -9,8 +10,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.auth.secret import ENV_VAR, ClusterSecret, load_secret, write_secret_file
-from pdserve.auth.signing import AUTH_HEADER, CallVerifier, mac_fields, sign_call
-from pdserve.errors import ConfigError, Forbidden, Unauthenticated
+from pdserve.auth.signing import (
+    AUTH_HEADER,
+    TARGET_HEADER,
+    CallVerifier,
+    auth_headers,
+    call_target,
+    mac_fields,
+    sign_call,
+)
+from pdserve.errors import ConfigError, Forbidden, StaleInstance, Unauthenticated
 
 KEY = ClusterSecret(b"s" * 32, "test").key("http")
 
@@ -108,3 +117,52 @@ def test_secret_sources(tmp_path: Path) -> None:
     # Each use has its own key: an HTTP signature is no KV Hello MAC.
     assert written.key("http") != written.key("kv-hello") != written.key("reservation")
     assert AUTH_HEADER == "X-Pdserve-Auth"
+
+
+# ---- calls bound to their target (issue 31 D3, issue 30 D2) ----------------------------------
+
+DECODE_0 = call_target("decode-0", "a1a1a1a1")
+
+
+@pytest.mark.parametrize(
+    ("own", "sent", "error", "match"),
+    [
+        (DECODE_0, DECODE_0, None, ""),
+        # Replayed to another worker: never valid there.
+        (call_target("decode-1", "b2b2b2b2"), DECODE_0, Forbidden, "signed for worker decode-0"),
+        # Sent to a later life of the same worker (restarted at its address): typed, retryable.
+        (call_target("decode-0", "c3c3c3c3"), DECODE_0, StaleInstance, "earlier life"),
+    ],
+)
+def test_a_call_lands_only_on_the_life_of_the_worker_it_was_signed_for(
+    own: str, sent: str, error: type[Exception] | None, match: str
+) -> None:
+    verifier = CallVerifier(KEY, Clock(), window_s=60, target=own)
+    header = sign_call(KEY, "POST", "/decode", b"{}", 1000.0, target=sent)
+    if error is None:
+        verifier.verify(header, "POST", "/decode", b"{}", sent)
+        return
+    with pytest.raises(error, match=match) as refused:
+        verifier.verify(header, "POST", "/decode", b"{}", sent)
+    assert getattr(refused.value, "retryable", False) is (error is StaleInstance)
+    assert verifier.num_refused == 1 and verifier.num_remembered == 0
+
+
+def test_the_target_cannot_be_stripped_or_swapped() -> None:
+    verifier = CallVerifier(KEY, Clock(), window_s=60, target=DECODE_0)
+    header = sign_call(KEY, "POST", "/decode", b"{}", 1000.0, target=DECODE_0)
+    for sent in (None, call_target("decode-0", "other")):
+        with pytest.raises(Forbidden, match="does not match"):
+            verifier.verify(header, "POST", "/decode", b"{}", sent)
+    # A call signed with no target (tooling) is still a call of the cluster.
+    verifier.verify(
+        sign_call(KEY, "GET", "/admin/faults", b"", 1000.0), "GET", "/admin/faults", b""
+    )
+
+
+def test_auth_headers_carry_the_target_they_sign() -> None:
+    headers = auth_headers(KEY, "POST", "/prefill", b"{}", DECODE_0)
+    assert headers[TARGET_HEADER] == DECODE_0
+    verifier = CallVerifier(KEY, time.time, target=DECODE_0)
+    verifier.verify(headers[AUTH_HEADER], "POST", "/prefill", b"{}", headers[TARGET_HEADER])
+    assert TARGET_HEADER not in auth_headers(KEY, "POST", "/prefill", b"{}")

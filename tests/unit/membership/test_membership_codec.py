@@ -32,13 +32,19 @@ def test_worker_ids_that_cannot_be_a_key_segment(worker_id: str) -> None:
 
 def test_encoding_is_sorted_compact_and_versioned() -> None:
     assert encode_member(DECODE) == (
-        b'{"fingerprint_digest":"abc","role":"decode","transfer_address":"10.0.0.5:8102",'
-        b'"url":"http://10.0.0.5:8101","version":1,"worker_id":"decode-0"}'
+        b'{"fingerprint_digest":"abc","instance_id":null,"role":"decode",'
+        b'"transfer_address":"10.0.0.5:8102","url":"http://10.0.0.5:8101","version":1,'
+        b'"worker_id":"decode-0"}'
     )
 
 
 @pytest.mark.parametrize(
-    "member", [DECODE, Member("http://h:1", "prefill-1", "prefill", "abc", None)]
+    "member",
+    [
+        DECODE,
+        Member("http://h:1", "prefill-1", "prefill", "abc", None),
+        Member("http://h:1", "prefill-1", "prefill", "abc", None, instance_id="9f1c2b"),
+    ],
 )
 def test_round_trip(member: Member) -> None:
     assert decode_member(encode_member(member)) == member

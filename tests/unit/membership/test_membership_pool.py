@@ -25,6 +25,12 @@ class StubClient:
         self.abandoned.append(url)
         return 0
 
+    def set_target(self, url: str, worker_id: str, instance_id: str) -> bool:
+        return False
+
+    def forget_target(self, url: str) -> None:
+        pass
+
     async def health(self, url: str, timeout_s: float | None = None) -> WorkerHealth:
         self.polled.append(url)
         if url not in self.up:

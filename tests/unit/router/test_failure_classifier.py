@@ -54,6 +54,7 @@ def test_rows(phase: Phase, cause: Cause, failure: Failure | None) -> None:
         (WorkerUnreachable("http://w", "reset"), Cause.UNREACHABLE),
         (call_error(400, retryable=True), Cause.BAD_REQUEST),
         (call_error(404), Cause.STATE_LOST),
+        (call_error(410, retryable=True, kind="StaleInstance"), Cause.STATE_LOST),
         (call_error(503), Cause.REFUSED),
         (call_error(500, retryable=True, kind="ChecksumMismatch"), Cause.REFUSED),
         (call_error(500, kind="DeadlineExceeded"), Cause.FATAL),
