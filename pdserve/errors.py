@@ -24,6 +24,8 @@ field, the worker, the frame.
     │                                   retryable: the router re-reads the worker and recovers)
     ├── DeadlineExceeded                the request's deadline passed while a worker waited
     ├── PeerCallError                   a worker's call to another worker failed (retryable)
+    ├── Draining                        the worker drains (SIGTERM, /admin/drain): no new work
+    │                                   (503, retryable elsewhere)
     ├── EngineError
     │   ├── NoFreeBlocks                no KV blocks for the request right now (retryable)
     │   ├── Overloaded                  the worker's admission queue is full (retryable, 503)
@@ -181,6 +183,13 @@ class StaleInstance(AuthError):
 
 class DeadlineExceeded(PdserveError):
     """The request's deadline passed while a worker waited on its behalf."""
+
+
+class Draining(PdserveError):
+    """The worker is draining (SIGTERM or POST /admin/drain): it finishes what it holds and
+    takes nothing new; another worker can (HTTP 503)."""
+
+    retryable = True
 
 
 class EngineError(PdserveError):

@@ -62,6 +62,8 @@ class WorkerRow:
     # This life of the worker (new at each restart), and the restarts the router saw.
     instance_id: str | None = None
     num_restarts: int | None = None
+    # Finishing what it holds before it stops (SIGTERM or /admin/drain); chosen for nothing new.
+    draining: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +211,7 @@ def collect_status(router_url: str, timeout_s: float = 3.0) -> ClusterStatus:
                 num_active_leases=h.num_active_leases,
                 device=str(h.fingerprint.get("device", "cpu")),
                 instance_id=h.instance_id or None,
+                draining=h.draining,
                 **seen,
             )
         )
@@ -290,7 +293,9 @@ def render_table(status: ClusterStatus) -> str:
         role = w.role or ""
         if w.assigned_role is not None:
             role = f"{w.assigned_role}*"  # a `both` worker the router uses in this role
-        if w.routable is False:
+        if w.draining:
+            role += "~"  # finishes what it holds, takes nothing new
+        elif w.routable is False:
             role += "!"  # answers us, but the router will not choose it now
         lines.append(
             f"{w.worker_id or '':<12}{role:<9}{w.pid or 0:>8}  {w.url:<24}{_cell(w.group):<4}"
@@ -308,6 +313,8 @@ def render_table(status: ClusterStatus) -> str:
         )
     if any(w.assigned_role is not None for w in status.workers):
         lines.append("* role assigned by the router to a `both` worker (auto mode or /admin/mode)")
+    if any(w.draining for w in status.workers):
+        lines.append("~ draining: finishes what it holds, takes nothing new, then stops")
     lines += [f"problem: {p}" for p in status.problems]
     if status.processes:
         lines.append(

@@ -183,6 +183,9 @@ class WorkerHealth(WireModel):
     # Drawn at each process start: a worker restarted at the same address has a new one, and
     # calls signed for the old one are refused (StaleInstance). Empty: not told (tests' fakes).
     instance_id: str = ""
+    # True once the worker drains (SIGTERM, POST /admin/drain): it finishes what it holds and
+    # takes no new request; the router chooses it for nothing new.
+    draining: bool = False
     role: Role
     pid: int
     # Fingerprint fields (see pdserve.model.fingerprint) and its digest.

@@ -103,6 +103,13 @@ class WorkerConfig:
         group="security and admission",
         help="requests waiting in the engine before new ones get 503 + Retry-After",
     )
+    # SIGTERM or POST /admin/drain: how long the worker finishes what it holds (taking nothing
+    # new) before it stops; what is left then is cut as by a crash, and the router recovers it.
+    drain_timeout_s: float = setting(
+        30.0,
+        group="security and admission",
+        help="on SIGTERM or /admin/drain, finish held work for up to this long (0: stop at once)",
+    )
     # KV data per frame (bytes); a larger block travels as several frames.
     kv_frame_bytes: int = setting(
         4 << 20,
@@ -178,6 +185,8 @@ class WorkerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or not 0 <= value <= 65535:
                 raise ConfigError(f"{name}: must be an integer in 0..65535, got {value!r}")
+        if not 0 <= self.drain_timeout_s <= 24 * 3600:
+            raise ConfigError(f"drain-timeout-s: must be in [0, 86400], got {self.drain_timeout_s}")
         if not self.reap_interval_s > 0:
             raise ConfigError(f"reap_interval_s: must be > 0, got {self.reap_interval_s!r}")
         if not 0 < self.transfer_chunk_timeout_s < float("inf"):

@@ -26,6 +26,7 @@ from pdserve.config_file import add_config_flag
 from pdserve.errors import ConfigError, PdserveError
 from pdserve.flags import add_engine_flags, engine_config
 from pdserve.settings import add_fields, build, parse_args
+from pdserve.tasks import cancel_and_wait
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.server import Worker
 
@@ -75,16 +76,28 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
 
 
 async def serve(config: WorkerConfig) -> None:
-    """Run a worker until SIGTERM/SIGINT, then stop it."""
+    """Run a worker until SIGTERM/SIGINT (or POST /admin/drain), drain it, then stop it. A
+    second signal during the drain stops it at once."""
     loop = asyncio.get_running_loop()
-    stopping = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
     worker = Worker(config)
+    now = asyncio.Event()
+
+    def on_signal() -> None:
+        if worker.stop_requested.is_set():
+            now.set()
+        worker.stop_requested.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
     try:
         url = await worker.start()
         logging.getLogger(__name__).info("worker %s (%s) at %s", config.worker_id, config.role, url)
-        await stopping.wait()
+        await worker.stop_requested.wait()
+        if config.drain_timeout_s > 0:
+            drain = asyncio.ensure_future(worker.drain(config.drain_timeout_s))
+            stop_now = asyncio.ensure_future(now.wait())
+            await asyncio.wait((drain, stop_now), return_when=asyncio.FIRST_COMPLETED)
+            await cancel_and_wait(drain, stop_now)
     finally:
         await worker.stop()
 

@@ -14,7 +14,9 @@ It knows how the parts fit together; the parts themselves live in their own modu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import os
 import secrets
 import time
@@ -34,6 +36,7 @@ from pdserve.transfer.sender import SendPolicy
 from pdserve.worker.checkpoint.prefix_source import PrefixCacheSource
 from pdserve.worker.checkpoint.routes import CheckpointService
 from pdserve.worker.config import WorkerConfig
+from pdserve.worker.drain import SEEN_WAIT_S, DrainReport, wait_until_idle
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.http.app import WorkerAPI
 from pdserve.worker.kv import transports as kv_transports
@@ -43,6 +46,8 @@ from pdserve.worker.kv.inbox import KVInbox
 from pdserve.worker.kv.outbox import KVOutbox
 from pdserve.worker.kv.transport_stats import TransportStats
 from pdserve.worker.lease_keeper import LeaseKeeper
+
+log = logging.getLogger(__name__)
 
 # Seconds in-flight HTTP handlers get to finish when the worker stops.
 SHUTDOWN_TIMEOUT_S = 2.0
@@ -83,6 +88,9 @@ class Worker:
         self.events = EventRing(config.worker_id, config.timeline_ring)
         # This life of the worker: a restart at the same address draws another (issue 30).
         self.instance_id = secrets.token_hex(8)
+        self.api: WorkerAPI | None = None
+        # Set by SIGTERM or POST /admin/drain: the process drains, then stops (`worker/main`).
+        self.stop_requested = asyncio.Event()
 
     async def start(self) -> str:
         """Bring every part up; returns the HTTP URL once it listens."""
@@ -152,6 +160,9 @@ class Worker:
             cache_source=self.cache_source,
             instance_id=self.instance_id,
         )
+        self.api = api
+        # POST /admin/drain asks the process to drain and exit, as SIGTERM does.
+        api.on_drain = self.stop_requested.set
         # handler_cancellation: a client that disconnects cancels its handler, whose cleanup
         # aborts the request in the engine.
         self._runner = web.AppRunner(
@@ -191,6 +202,43 @@ class Worker:
             fingerprint_digest=fingerprint_digest,
             transfer_address=transfer,
         )
+
+    async def drain(self, timeout_s: float) -> DrainReport:
+        """Take nothing new, leave the membership once a router knows, and wait (up to
+        `timeout_s`) until nothing is held (`worker/drain.py`); then call `stop`."""
+        api = self.api
+        if api is None:
+            return DrainReport(True, 0.0, {})
+        api.draining = True
+        log.info("worker %s draining (up to %.1f s)", api.worker_id, timeout_s)
+        # Routers learn it from /health before anything is refused (a refusal costs a router
+        # a retry), then the membership record goes.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(api.drain_seen.wait(), SEEN_WAIT_S)
+        api.refusing = True
+        if self.registration is not None:
+            await self.registration.stop()
+            self.registration = None
+        report = await wait_until_idle(self._held, timeout_s)
+        log.info(
+            "worker %s %s after %.2f s%s",
+            api.worker_id,
+            "drained" if report.drained else "drain timed out",
+            report.waited_s,
+            "" if report.drained else f"; still held: {dict(report.left)}",
+        )
+        return report
+
+    async def _held(self) -> dict[str, int]:
+        assert self.api is not None
+        stats = await self.engine.stats()
+        return {
+            "running": stats.num_running,
+            "waiting": stats.num_waiting,
+            "pinned_blocks": stats.num_held_blocks,
+            "admitted": self.api.num_admitted,
+            "leases": self.leases.num_active,
+        }
 
     async def stop(self) -> None:
         """Stop in reverse order; every held block goes back to the engine first."""

@@ -75,12 +75,14 @@ def load_key(w: WorkerView) -> tuple[int, int, int]:
 def candidates(
     workers: Sequence[WorkerView], roles: Collection[str], digest: str, exclude: Collection[str]
 ) -> list[WorkerView]:
-    """Healthy workers of `roles` with fingerprint `digest`, not in `exclude` (rules 1, 2)."""
+    """Healthy workers of `roles` with fingerprint `digest`, not in `exclude` (rules 1, 2),
+    and not draining (they finish what they hold and take nothing new)."""
     return [
         w
         for w in workers
         if w.healthy
         and w.health is not None
+        and not w.health.draining
         and w.role in roles
         and w.health.fingerprint_digest == digest
         and w.url not in exclude

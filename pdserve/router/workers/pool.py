@@ -136,6 +136,10 @@ class WorkerPool:
         diff = diff_members(self.members(), members)
         for member in diff.removed:
             entry = self._entries.pop(normalize_url(member.url))
+            if entry.health is not None and entry.health.draining:
+                # It left on purpose and finishes what it holds: its calls run to their end.
+                log.info("pool: %s (%s) left, draining", entry.url, member.worker_id or "static")
+                continue
             num_cut = self._client.abandon(entry.url)
             self._client.forget_target(entry.url)
             log.info(

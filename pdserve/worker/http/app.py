@@ -37,6 +37,7 @@ from pdserve.auth.signing import CallVerifier
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestDelta
 from pdserve.errors import (
+    Draining,
     Overloaded,
     PdserveError,
     RequestNotFound,
@@ -113,6 +114,13 @@ class WorkerAPI:
         self.config = config
         # This process's life at its address (drawn at start; /health and membership carry it).
         self.instance_id = instance_id
+        # Draining (`worker/drain.py`): /health says so from the start (`draining`), `drain_seen`
+        # is set once a /health has said so, and new work is refused from then (`refusing`);
+        # `on_drain` starts a drain (POST /admin/drain).
+        self.draining = False
+        self.refusing = False
+        self.drain_seen = asyncio.Event()
+        self.on_drain: Callable[[], None] | None = None
         self.worker_id = config.worker_id
         self.info = info
         self.engine = engine
@@ -164,6 +172,7 @@ class WorkerAPI:
                 web.post("/renew", self.renew),
                 web.get("/metrics", observe.metrics),
                 web.get("/debug/requests/{request_id}", observe.debug_request),
+                web.post("/admin/drain", self.admin_drain),
             ]
         )
         if self.kv_streams is not None:
@@ -208,14 +217,31 @@ class WorkerAPI:
         """POST /reserve ReserveRequest -> Reservation."""
         inbox = self._need_inbox("/reserve")
         body = await parse_body(request, ReserveRequest)
+        self._refuse_if_draining(body.request_id)
         if self.faults is not None and (rule := self.faults.fire(FaultSite.WORKER_RESERVE)):
             await perform(rule)
         return json_body(await inbox.reserve(body))
+
+    def _refuse_if_draining(self, request_id: str) -> None:
+        if self.refusing:
+            raise Draining(
+                f"worker {self.worker_id} is draining: {request_id} not admitted (another"
+                " worker can take it)"
+            )
+
+    async def admin_drain(self, request: web.Request) -> web.Response:
+        """POST /admin/drain: finish what is held, take nothing new, then exit (signed)."""
+        if self.on_drain is None:
+            raise WrongRole(f"worker {self.worker_id}: this worker cannot drain on request")
+        if not self.draining:
+            self.on_drain()
+        return web.json_response({"worker_id": self.worker_id, "draining": True})
 
     @contextlib.contextmanager
     def _admitted(self, request_id: str) -> Iterator[None]:
         """Count a request in the engine for as long as the block runs; refuse it (503,
         Retry-After) when `max_num_seqs` run and `max_waiting` more already wait."""
+        self._refuse_if_draining(request_id)
         limit = self.config.engine.max_num_seqs + self.config.max_waiting
         if self.num_admitted >= limit:
             self.num_admission_refusals += 1

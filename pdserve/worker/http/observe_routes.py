@@ -75,6 +75,7 @@ class ObserveRoutes:
         body = WorkerHealth(
             worker_id=api.worker_id,
             instance_id=api.instance_id,
+            draining=api.draining,
             role=api.config.role,  # type: ignore[arg-type]  # validated by WorkerConfig
             pid=os.getpid(),
             fingerprint=info.fingerprint,
@@ -95,6 +96,8 @@ class ObserveRoutes:
             wall_time_s=time.time(),
             steps=step_totals_model(stats.steps),
         )
+        if api.draining:
+            api.drain_seen.set()  # a router (or a probe) has been told
         return _json(body)
 
     async def metrics(self, request: web.Request) -> web.Response:
