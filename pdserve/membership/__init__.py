@@ -52,17 +52,22 @@ def _etcd_module() -> ModuleType:
     return etcd
 
 
-def open_membership(discovery: str | None, urls: Sequence[str]) -> Membership:
-    """The router's membership: etcd when `discovery` is given, else the static `urls`."""
+def open_membership(
+    discovery: str | None, urls: Sequence[str], key: bytes | None = None
+) -> Membership:
+    """The router's membership: etcd when `discovery` is given, else the static `urls`;
+    `key` (the cluster secret's "membership" key) makes etcd records need its MAC."""
     if discovery is None:
         return StaticMembership(urls)
     endpoint = parse_discovery(discovery)
-    membership: Membership = _etcd_module().EtcdMembership(endpoint)
+    membership: Membership = _etcd_module().EtcdMembership(endpoint, key=key)
     return membership
 
 
-def open_registration(discovery: str, member: Member, ttl_s: int) -> Registration:
-    """The worker's registration in the store `discovery` names."""
+def open_registration(
+    discovery: str, member: Member, ttl_s: int, key: bytes | None = None
+) -> Registration:
+    """The worker's registration in the store `discovery` names, signed with `key`."""
     endpoint = parse_discovery(discovery)
-    registration: Registration = _etcd_module().EtcdRegistration(endpoint, member, ttl_s)
+    registration: Registration = _etcd_module().EtcdRegistration(endpoint, member, ttl_s, key=key)
     return registration

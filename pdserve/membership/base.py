@@ -26,6 +26,11 @@ class MembershipError(PdserveError):
     """A registration cannot be made or read (duplicate worker id, malformed value)."""
 
 
+class UnsignedMember(MembershipError):
+    """A registration without a valid MAC under the cluster secret: not a cluster member
+    (anyone who can write to the store could have put it there)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Member:
     """One worker as its membership source describes it.
@@ -104,6 +109,11 @@ class Membership(Protocol):
 
     def members(self) -> list[Member]:
         """The current member set, in join order."""
+        ...
+
+    @property
+    def num_refused(self) -> int:
+        """Registrations ignored so far: unreadable, or not signed by the cluster."""
         ...
 
     async def stop(self) -> None:

@@ -61,13 +61,18 @@ class EtcdMembership:
     """The workers registered under one prefix, kept current by a watch."""
 
     def __init__(
-        self, endpoint: EtcdEndpoint, retry_interval_s: float = 1.0, start_timeout_s: float = 5.0
+        self,
+        endpoint: EtcdEndpoint,
+        retry_interval_s: float = 1.0,
+        start_timeout_s: float = 5.0,
+        key: bytes | None = None,
     ) -> None:
+        """`key`: the cluster's membership key; registrations without its MAC are ignored."""
         self.endpoint = endpoint
         self._range = workers_prefix(endpoint.prefix).encode()
         self._retry_interval_s = retry_interval_s
         self._start_timeout_s = start_timeout_s
-        self._table = MemberTable()
+        self._table = MemberTable(key)
         self._listener: MembersListener | None = None
         self._listed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -88,6 +93,11 @@ class EtcdMembership:
     def members(self) -> list[Member]:
         """The registered workers, in join order."""
         return self._table.members()
+
+    @property
+    def num_refused(self) -> int:
+        """Registrations ignored: unreadable, or not signed with the cluster's key."""
+        return self._table.num_refused
 
     async def stop(self) -> None:
         """Stop watching and close the connection."""
@@ -158,13 +168,14 @@ class EtcdRegistration:
         ttl_s: int,
         retry_interval_s: float = 1.0,
         start_timeout_s: float = 5.0,
+        key: bytes | None = None,
     ) -> None:
         if member.worker_id is None:
             raise MembershipError(f"member {member.url}: a registration needs a worker id")
         self.endpoint = endpoint
         self.member = member
         self.key = worker_key(endpoint.prefix, member.worker_id).encode()
-        self._value = encode_member(member)
+        self._value = encode_member(member, key)
         self._ttl_s = ttl_s
         self._retry_interval_s = retry_interval_s
         self._start_timeout_s = start_timeout_s

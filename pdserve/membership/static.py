@@ -25,5 +25,10 @@ class StaticMembership:
         """The configured workers."""
         return list(self._members)
 
+    @property
+    def num_refused(self) -> int:
+        """A static list refuses nothing."""
+        return 0
+
     async def stop(self) -> None:
         """Nothing runs in the background."""

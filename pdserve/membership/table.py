@@ -28,8 +28,12 @@ class Row:
 class MemberTable:
     """Registration keys → members, with the join order etcd gives them."""
 
-    def __init__(self) -> None:
+    def __init__(self, key: bytes | None = None) -> None:
+        """`key`: the cluster's membership key (values must carry its MAC); None: unsigned."""
         self._rows: dict[bytes, tuple[int, Member]] = {}
+        self._key = key
+        # Values refused so far (unreadable, or unsigned when a key is set).
+        self.num_refused = 0
 
     def replace(self, rows: Iterable[Row]) -> list[MembershipError]:
         """Forget everything and load a whole listing; returns the values that did not decode."""
@@ -46,8 +50,9 @@ class MemberTable:
         """Apply a put; True if the member set changed. MembershipError if it did not decode
         (the key is dropped then)."""
         try:
-            member = decode_member(row.value)
+            member = decode_member(row.value, self._key)
         except MembershipError as exc:
+            self.num_refused += 1
             self.delete(row.key)
             raise MembershipError(f"key {row.key.decode(errors='replace')}: {exc}") from None
         previous = self._rows.get(row.key)

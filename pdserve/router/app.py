@@ -136,6 +136,8 @@ class RouterHealth(BaseModel):
     fingerprint_groups: list[FingerprintGroupView]
     workers: list[WorkerSummary]
     auto: AutoView
+    # Membership records ignored: unreadable, or not signed with the cluster's key.
+    membership_refused: int = 0
 
 
 class BreakerView(BaseModel):
@@ -228,6 +230,7 @@ class _Routes:
             fingerprint_groups=groups,
             workers=workers,
             auto=self._modes.view(),
+            membership_refused=self._pool.membership_refused,
         )
         return web.json_response(text=body.model_dump_json())
 
@@ -370,7 +373,7 @@ async def create_app(config: RouterConfig, clock: Clock | None = None) -> web.Ap
                 f" max_position_embeddings {max_model_len}"
             )
         max_model_len = config.max_model_len
-    membership = open_membership(config.discovery, config.workers)
+    membership = open_membership(config.discovery, config.workers, config.membership_key)
     session = aiohttp.ClientSession()
     client = WorkerClient(session, ClientTimeouts(), key=config.http_key)
     queue = CapacityQueue(config.recovery.max_queued)

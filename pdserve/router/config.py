@@ -401,6 +401,11 @@ class RouterConfig:
         return None if self.cluster_secret is None else self.cluster_secret.key("http")
 
     @property
+    def membership_key(self) -> bytes | None:
+        """Key of the MAC every etcd registration must carry."""
+        return None if self.cluster_secret is None else self.cluster_secret.key("membership")
+
+    @property
     def reservation_key(self) -> bytes | None:
         """Key of the reservation signatures prefill workers check."""
         return None if self.cluster_secret is None else self.cluster_secret.key("reservation")

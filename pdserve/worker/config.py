@@ -260,6 +260,11 @@ class WorkerConfig:
         return self._key("reservation")
 
     @property
+    def membership_key(self) -> bytes | None:
+        """Key of the MAC on this worker's etcd registration."""
+        return self._key("membership")
+
+    @property
     def kv_key(self) -> bytes | None:
         """Key of the KV Hello MACs."""
         return self._key("kv-hello")

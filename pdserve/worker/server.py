@@ -180,7 +180,10 @@ class Worker:
             # Only now can routers reach both endpoints; the ready file follows, so a
             # launcher that sees it also finds the worker registered.
             self.registration = open_registration(
-                c.discovery, self._member(info.fingerprint_digest, port), c.membership_ttl_s
+                c.discovery,
+                self._member(info.fingerprint_digest, port),
+                c.membership_ttl_s,
+                key=c.membership_key,
             )
             await self.registration.start()
         if c.ready_file is not None:

@@ -193,6 +193,40 @@ def test_membership_survives_an_etcd_restart(tmp_path: Path) -> None:
         server.stop()
 
 
+def test_a_registration_not_signed_by_the_cluster_is_ignored_and_counted(tmp_path: Path) -> None:
+    """Write access to etcd is not membership (issue 31 D4): a router with the cluster's key
+    takes only records carrying its MAC."""
+    from pdserve.membership import Member
+    from pdserve.membership.etcd import EtcdMembership, EtcdRegistration
+    from pdserve.membership.uri import parse_discovery
+
+    server = start_etcd(tmp_path, port=free_port(), peer_port=free_port())
+    key = b"k" * 32
+
+    async def scenario() -> None:
+        endpoint = parse_discovery(server.uri("/signed"))
+        membership = EtcdMembership(endpoint, retry_interval_s=0.2, key=key)
+        await membership.start(lambda ms: None)
+        honest = EtcdRegistration(endpoint, Member("http://a:1", "a", "decode", "d"), 5, key=key)
+        forged = EtcdRegistration(endpoint, Member("http://evil:1", "evil", "decode", "d"), 5)
+        other = EtcdRegistration(
+            endpoint, Member("http://b:1", "b", "decode", "d"), 5, key=b"x" * 32
+        )
+        for registration in (honest, forged, other):
+            await registration.start()
+        await wait_async(lambda: membership.num_refused >= 2, 5)
+        await wait_async(lambda: membership.members() != [], 5)
+        assert [m.url for m in membership.members()] == ["http://a:1"]
+        for registration in (honest, forged, other):
+            await registration.stop()
+        await membership.stop()
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 30))
+    finally:
+        server.stop()
+
+
 async def wait_async(check: Callable[[], bool], timeout_s: float) -> None:
     async with asyncio.timeout(timeout_s):
         while not check():

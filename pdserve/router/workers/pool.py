@@ -114,6 +114,11 @@ class WorkerPool:
         """Every member, in configured/joined order."""
         return [e.member for e in self._entries.values()]
 
+    @property
+    def membership_refused(self) -> int:
+        """Registrations the membership ignored (unreadable or unsigned)."""
+        return 0 if self._membership is None else self._membership.num_refused
+
     async def start(self) -> None:
         """Start the membership, poll once now, then keep polling in the background."""
         if self._membership is not None:

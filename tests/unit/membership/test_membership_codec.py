@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from pdserve.errors import ConfigError
 from pdserve.membership import Member, MembershipError
+from pdserve.membership.base import UnsignedMember
 from pdserve.membership.codec import (
     check_worker_id,
     decode_member,
@@ -15,6 +17,7 @@ from pdserve.membership.codec import (
     worker_key,
     workers_prefix,
 )
+from pdserve.membership.table import MemberTable, Row
 
 DECODE = Member("http://10.0.0.5:8101", "decode-0", "decode", "abc", "10.0.0.5:8102")
 
@@ -32,7 +35,7 @@ def test_worker_ids_that_cannot_be_a_key_segment(worker_id: str) -> None:
 
 def test_encoding_is_sorted_compact_and_versioned() -> None:
     assert encode_member(DECODE) == (
-        b'{"fingerprint_digest":"abc","instance_id":null,"role":"decode",'
+        b'{"fingerprint_digest":"abc","instance_id":null,"mac":null,"role":"decode",'
         b'"transfer_address":"10.0.0.5:8102","url":"http://10.0.0.5:8101","version":1,'
         b'"worker_id":"decode-0"}'
     )
@@ -84,3 +87,35 @@ def test_invalid_values_are_refused_naming_the_field(value: bytes, message: str)
 
 def test_decoding_drops_a_trailing_slash() -> None:
     assert decode_member(_value(url="http://h:1/")).url == "http://h:1"
+
+
+# ---- signed registrations (issue 31 D4) ------------------------------------------------------
+
+MEMBERSHIP_KEY = b"m" * 32
+
+
+def test_a_signed_registration_round_trips_and_an_unsigned_one_is_refused() -> None:
+    signed = Member("http://h:1", "prefill-1", "prefill", "abc", None, instance_id="9f")
+    assert decode_member(encode_member(signed, MEMBERSHIP_KEY), MEMBERSHIP_KEY) == signed
+    with pytest.raises(UnsignedMember, match="no MAC"):
+        decode_member(encode_member(signed), MEMBERSHIP_KEY)
+    with pytest.raises(UnsignedMember, match="does not match"):
+        decode_member(encode_member(signed, b"k" * 32), MEMBERSHIP_KEY)
+
+
+@pytest.mark.parametrize(
+    "field", ["worker_id", "url", "role", "fingerprint_digest", "transfer_address", "instance_id"]
+)
+def test_every_trusted_field_is_under_the_mac(field: str) -> None:
+    body = json.loads(encode_member(DECODE, MEMBERSHIP_KEY))
+    body[field] = "http://evil:1" if field == "url" else "evil"
+    with pytest.raises(UnsignedMember, match="does not match"):
+        decode_member(json.dumps(body).encode(), MEMBERSHIP_KEY)
+
+
+def test_the_table_drops_and_counts_unsigned_records() -> None:
+    table = MemberTable(MEMBERSHIP_KEY)
+    good = Row(b"/p/workers/decode-0", encode_member(DECODE, MEMBERSHIP_KEY), 1)
+    forged = Row(b"/p/workers/evil", encode_member(replace(DECODE, worker_id="evil")), 2)
+    assert table.replace([good, forged]) != []
+    assert table.members() == [DECODE] and table.num_refused == 1
