@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,26 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-VENVS = Path(os.environ.get("PDSERVE_CLIENT_VENVS", ROOT / ".venv-clients"))
-SERVED = "pdserve-tiny"
-
-
-def client_bin(venv: str, program: str) -> Path:
-    path = VENVS / venv / "bin" / program
-    if not path.exists():
-        message = f"{path} missing: run `make client-venvs`"
-        if os.environ.get("PDSERVE_REQUIRE_CLIENTS") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
-    return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from clients_support import SERVED, free_port
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from conftest import SERVED, client_bin
+from clients_support import SERVED, client_bin
 
 SCRIPTS = Path(__file__).parent / "scripts"
 

@@ -21,7 +21,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import SERVED, client_bin
+from clients_support import SERVED, client_bin
 
 NUM_REQUESTS = 16
 
