@@ -66,6 +66,10 @@ class Proc:
         return self.proc.returncode
 
 
+# The admin key of the routers these helpers start (see `spawn`).
+ADMIN_KEY = "admin-key-of-the-membership-tests"
+
+
 def spawn(
     name: str, module: str, args: Sequence[str], workdir: Path, wrap: Sequence[str] = ()
 ) -> Proc:
@@ -75,6 +79,9 @@ def spawn(
     log_path = workdir / f"{name}.log"
     # One intra-op thread per process: several share the test machine's cores.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    if module == "pdserve.router.main":
+        # Routers here listen on namespace addresses, not loopback: /debug needs the admin key.
+        env["PDSERVE_ADMIN_KEY"] = ADMIN_KEY
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     command = [*wrap, sys.executable, "-m", module, *args, "--ready-file", str(ready)]
     with log_path.open("wb") as log:
@@ -127,8 +134,9 @@ def processes() -> Iterator[list[Proc]]:
 
 
 def get_json(url: str, timeout_s: float = 10.0) -> dict[str, object]:
-    """GET `url` as JSON."""
-    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+    """GET `url` as JSON (with the routers' admin key: /debug needs it off loopback)."""
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
         data: dict[str, object] = json.loads(response.read())
         return data
 
