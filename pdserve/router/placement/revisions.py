@@ -5,8 +5,9 @@ A revision is a fingerprint digest (weights, tokenizer, dtype, ... : `model/fing
 KV never crosses revisions, so a request's prefill and decode are always paired within one.
 
 - **Order.** The router ranks revisions by when it first saw each (`RevisionBook.note`): the
-  one seen last is the newest. A rollout starts workers of the new build; from their first
-  health answer their revision is the newest.
+  one seen last is the newest (of those first seen together, the one with most workers). A
+  rollout starts workers of the new build; from their first health answer their revision is
+  the newest.
 - **Ready.** A revision is ready when its healthy, non-draining workers can run a request in
   the mode at hand: split, a decode-capable (decode or both) and a prefill-capable (prefill or
   both) worker that is not that one; colocated, one worker of role both or decode.
@@ -23,6 +24,7 @@ KV never crosses revisions, so a request's prefill and decode are always paired 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import xxhash
@@ -37,10 +39,14 @@ class RevisionBook:
         self._first_seen: dict[str, int] = {}
 
     def note(self, views: Sequence[WorkerView]) -> None:
-        """Record the revisions of the workers that answer now."""
-        for v in sorted(views, key=lambda w: w.index):
-            if v.healthy and v.health is not None:
-                self._first_seen.setdefault(v.health.fingerprint_digest, len(self._first_seen))
+        """Record the revisions of the workers that answer now. Revisions first seen together
+        (the router's first look at a pool) rank by their number of workers, the majority as
+        the newest: a pool that starts mixed serves its majority, as without revisions."""
+        counts = Counter(
+            v.health.fingerprint_digest for v in views if v.healthy and v.health is not None
+        )
+        for digest, _ in sorted(counts.items(), key=lambda kv: (kv[1], kv[0])):
+            self._first_seen.setdefault(digest, len(self._first_seen))
 
     def newest_first(self, digests: Sequence[str]) -> list[str]:
         """`digests` ordered newest first (one never seen sorts last)."""

@@ -81,3 +81,9 @@ def test_a_pinned_request_is_placed_in_its_revision_only() -> None:
     assert [w.url for w in decode] == ["d0"]
     prefill = policy.pick_prefill(both, decode[0], pinned)
     assert prefill is not None and prefill.url == "p0"
+
+
+def test_a_pool_that_starts_mixed_serves_its_majority() -> None:
+    mixed = [*OLD, view("d2", 2, "decode", "A"), view("p1", 3, "prefill", "B"),
+             view("d1", 4, "decode", "B")]  # fmt: skip
+    assert choose(mixed, seen(mixed), ticket=0, colocated=False) == "A"
