@@ -41,6 +41,7 @@ BUILTIN: dict[str, Command] = {
     "status": Command("pdserve.cli.status", "router, mode and workers of a running cluster"),
     "top": Command("pdserve.cli.top", "live view of workers, blocks, load and request latencies"),
     "trace": Command("pdserve.cli.trace", "one request's timeline as a waterfall"),
+    "drain": Command("pdserve.cli.drain", "drain a worker (finish held work, then exit)"),
     "advise": Command(
         "pdserve.advise.command",
         "colocated or split, and which P:D ratio: goodput curves on your workload",

@@ -172,6 +172,16 @@ ROUTER_WORKER_CLOCK_OFFSET = _spec(
     "worker",
     "role",
 )
+ROUTER_WORKER_INFO = _spec(
+    "pdserve_router_worker_info",
+    "gauge",
+    "1 per worker: its model revision (fingerprint digest), process instance and drain state.",
+    "worker",
+    "role",
+    "revision",
+    "instance",
+    "draining",
+)
 
 # ---- worker ------------------------------------------------------------------------------------
 _W = WORKER_LABELS

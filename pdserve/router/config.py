@@ -169,6 +169,11 @@ class AffinityConfig:
     )
     # Sticky sessions remembered (least recently used forgotten first).
     max_sessions: int = setting(10_000)
+    # Rollouts (`router/placement/revisions.py`): the share of new requests the newest ready
+    # revision gets while an older one is ready too; 1 sends them all to the newest.
+    canary_weight: float = setting(
+        1.0, help="share of new requests for the newest model revision while an older serves"
+    )
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
@@ -184,6 +189,8 @@ class AffinityConfig:
             )
         if self.max_sessions < 1:
             raise ConfigError(f"max-sessions: must be >= 1, got {self.max_sessions}")
+        if not 0.0 <= self.canary_weight <= 1.0:
+            raise ConfigError(f"canary-weight: must be in [0, 1], got {self.canary_weight}")
 
 
 def model_folder(value: str | None) -> Path:

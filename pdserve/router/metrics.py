@@ -55,6 +55,10 @@ class WorkerGauges:
     num_waiting: int | None
     num_inflight: int
     clock_offset_s: float | None
+    # The model revision (fingerprint digest), this life of the process, and whether it drains.
+    revision: str | None = None
+    instance: str | None = None
+    draining: bool = False
 
 
 @dataclass(slots=True)
@@ -153,7 +157,16 @@ class RouterMetrics:
 
 
 def _render_workers(workers: Sequence[WorkerGauges]) -> list[Metric]:
-    lines: list[Metric] = []
+    info = [
+        (
+            {"worker": w.worker, "role": w.role, "revision": w.revision or "",
+             "instance": w.instance or "", "draining": str(w.draining).lower()},
+            1.0,
+        )
+        for w in workers
+        if w.revision is not None
+    ]  # fmt: skip
+    lines: list[Metric] = render_family(m.ROUTER_WORKER_INFO, info)
     for spec, value in (
         (m.ROUTER_WORKER_UP, lambda w: float(w.up)),
         (m.ROUTER_WORKER_BLOCKS_FREE, lambda w: w.num_free_blocks),
@@ -190,6 +203,9 @@ def worker_gauges(pool: WorkerPool) -> list[WorkerGauges]:
                 num_waiting=h.num_waiting if h is not None else None,
                 num_inflight=view.num_inflight,
                 clock_offset_s=None if offset is None else offset / 1e9,
+                revision=h.fingerprint_digest if h is not None else None,
+                instance=(h.instance_id or None) if h is not None else None,
+                draining=h.draining if h is not None else False,
             )
         )
     return gauges

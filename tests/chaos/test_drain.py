@@ -10,9 +10,10 @@ fault-free text, no decode stream had to migrate, and each worker was seen resta
 
 from __future__ import annotations
 
-import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -20,7 +21,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from cluster_auth import signed_headers
 from test_decode_death import health, stream_tokens
 from test_restarts import free_ports
 from waiting import until_sync
@@ -147,12 +147,14 @@ def test_admin_drain_is_signed_and_drains_the_worker(tiny_model_path: Path, tmp_
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(unsigned, timeout=10)
         assert refused.value.code == 401
-        signed = urllib.request.Request(
-            f"{handle.url}/admin/drain", data=b"", method="POST",
-            headers=signed_headers("POST", "/admin/drain"),
+        # `pdserve drain URL --wait` (the manifests' preStop hook) signs the call with the
+        # cluster secret from the environment and returns once the worker has exited.
+        done = subprocess.run(
+            [sys.executable, "-m", "pdserve", "drain", handle.url, "--wait", "--timeout-s", "30"],
+            capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
-        with urllib.request.urlopen(signed, timeout=10) as resp:
-            assert json.loads(resp.read()) == {"worker_id": "d", "draining": True}
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert '"draining": true' in done.stdout and "drained and exited" in done.stdout
         assert handle.proc.wait(30) == 0
         assert "drained after" in handle.log()
         with socket.socket() as s:  # its port is free: it exited, not just stopped serving

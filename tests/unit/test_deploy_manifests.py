@@ -20,8 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import io
+import json
 import re
+import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,21 +41,29 @@ from pdserve.router.config import RouterConfig
 from pdserve.worker import main as worker_main
 from pdserve.worker.config import WorkerConfig
 
-MANIFESTS = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
+ROOT = Path(__file__).resolve().parents[2]
+MANIFESTS = ROOT / "deploy" / "k8s" / "base"
+OVERLAYS = ROOT / "deploy" / "k8s" / "overlays"
+# Secrets the manifests read (created by hand, docs/deploy.md), with sample values.
+SECRETS = {
+    ("pdserve-cluster", "secret"): "0123456789abcdef" * 4,
+    ("pdserve-keys", "api-key"): "sample-api-key-0123",
+    ("pdserve-keys", "admin-key"): "sample-admin-key-0123",
+}
 # What the kubelet would put in `valueFrom.fieldRef` variables for one pod.
 POD_FIELDS = {"status.podIP": "10.12.0.7", "metadata.name": "pdserve-decode-6f9c8d7b5-x2k7q"}
 WORKLOADS = ("Deployment", "StatefulSet")
-# What the kubelet would put in a `secretKeyRef` variable (the Secret is created by hand).
-SAMPLE_SECRET = "0123456789abcdef" * 4
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 Doc = dict[str, Any]
 
 
 def load(folder: Path = MANIFESTS) -> list[Doc]:
-    """Every document of every manifest file, in file order."""
+    """Every document of every manifest file below `folder` (kustomizations aside)."""
     docs: list[Doc] = []
-    for path in sorted(folder.glob("*.yaml")):
+    for path in sorted(folder.rglob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
         for doc in yaml.safe_load_all(path.read_text()):
             if doc is not None:
                 assert isinstance(doc, dict), f"{path.name}: a document is not a mapping"
@@ -121,8 +133,8 @@ def expand_args(container: Doc, maps: dict[str, dict[str, str]]) -> list[str]:
         source = var["valueFrom"]
         if "secretKeyRef" in source:
             ref = source["secretKeyRef"]
-            assert (ref["name"], ref["key"]) == ("pdserve-cluster", "secret"), var
-            env[var["name"]] = SAMPLE_SECRET
+            assert (ref["name"], ref["key"]) in SECRETS, var
+            env[var["name"]] = SECRETS[(ref["name"], ref["key"])]
         elif "fieldRef" in source:
             field = source["fieldRef"]["fieldPath"]
             assert field in POD_FIELDS, f"env {var['name']}: no sample for pod field {field}"
@@ -374,3 +386,89 @@ def test_a_listening_port_not_declared_fails(docs: list[Doc]) -> None:
     args[args.index("--port=8000")] = "--port=8080"
     with pytest.raises(AssertionError, match="8080"):
         check_all(broken)
+
+
+# ---- the Kustomize base and overlays, the drain wiring, the image (issue 30 D5) ---------------
+
+
+def kustomize(folder: Path) -> list[Doc]:
+    """`kubectl kustomize folder` (kustomize built into kubectl), parsed."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed here: the Kustomize render is not checked")
+    out = subprocess.run([kubectl, "kustomize", str(folder)], capture_output=True, text=True,
+                         timeout=60, check=False)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d is not None]
+
+
+@pytest.mark.parametrize("folder", [MANIFESTS, OVERLAYS / "gpu"], ids=["base", "gpu"])
+def test_the_rendered_kustomizations_pass_every_check(folder: Path) -> None:
+    docs = kustomize(folder)
+    check_all(docs)
+    for workload in of_kind(docs, *WORKLOADS):
+        assert pod_labels(workload).get("pdserve.io/revision") == "r1", name_of(workload)
+    images = {c["image"] for _, c in containers(docs) if c["name"] != "etcd"}
+    assert images == ({"pdserve:0.1.0"} if folder == MANIFESTS else {"pdserve:0.1.0-cuda"})
+
+
+def test_a_rollout_overlay_adds_workers_of_a_second_revision() -> None:
+    docs = kustomize(OVERLAYS / "rollout")
+    names = sorted(name_of(d) for d in of_kind(docs, *WORKLOADS))
+    assert names == ["Deployment/pdserve-decode-r2", "Deployment/pdserve-prefill-r2"]
+    maps = config_maps(load())
+    for workload, container in containers(docs):
+        assert pod_labels(workload)["pdserve.io/revision"] == "r2"
+        assert workload["spec"]["selector"]["matchLabels"]["pdserve.io/revision"] == "r2"
+        _, argv = pdserve_command(container, maps)
+        assert worker_config(argv).engine.model.path == "/models/r2"
+
+
+def test_workers_drain_before_they_are_stopped(docs: list[Doc]) -> None:
+    """preStop runs `pdserve drain --wait` on the worker's own port, within a grace period
+    longer than the drain, and the worker's own drain timeout fits in the hook's wait."""
+    maps = config_maps(docs)
+    workers = [(w, c) for w, c in containers(docs) if c.get("command") == ["pdserve", "worker"]]
+    assert len(workers) == 2
+    drain = importlib.import_module(BUILTIN["drain"].module)
+    for workload, container in workers:
+        hook = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert hook[:2] == ["pdserve", "drain"]
+        args = parse(drain.build_parser(), hook[2:])
+        config = worker_config(pdserve_command(container, maps)[1])
+        assert args.url == f"http://127.0.0.1:{config.port}" and args.wait
+        assert config.drain_timeout_s < args.timeout_s
+        grace = pod_spec(workload)["terminationGracePeriodSeconds"]
+        assert grace >= args.timeout_s + 5, name_of(workload)
+
+
+def test_no_key_or_secret_is_on_a_command_line(docs: list[Doc]) -> None:
+    for _, container in containers(docs):
+        words = [*container.get("command", []), *map(str, container.get("args", []))]
+        assert not any(w.split("=")[0] in ("--api-key", "--admin-key") for w in words)
+        assert not any(secret in " ".join(words) for secret in SECRETS.values())
+    router = _container(docs, "pdserve-router")
+    keys = {v["name"]: v["valueFrom"]["secretKeyRef"] for v in router["env"] if "valueFrom" in v
+            and "secretKeyRef" in v["valueFrom"]}  # fmt: skip
+    assert keys["PDSERVE_API_KEY"]["name"] == keys["PDSERVE_ADMIN_KEY"]["name"] == "pdserve-keys"
+
+
+def test_the_dockerfile_builds_the_image_the_manifests_run() -> None:
+    """No container daemon here: the Dockerfile is read, its entry point and default command
+    go through the real parser, every COPY source exists, torch is pinned as the Makefile pins
+    it, and the image runs as a user."""
+    text = (ROOT / "Dockerfile").read_text()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    entry = next(json.loads(line.split(None, 1)[1]) for line in lines
+                 if line.startswith("ENTRYPOINT"))  # fmt: skip
+    command = next(json.loads(line.split(None, 1)[1]) for line in lines if line.startswith("CMD ["))
+    assert entry == ["pdserve"] and command[0] in BUILTIN
+    up = importlib.import_module(BUILTIN[command[0]].module)
+    assert up.config_from_args(parse(up.build_parser(), command[1:])).host == "0.0.0.0"
+    for line in lines:
+        if line.startswith("COPY"):
+            for source in line.split()[1:-1]:
+                assert (ROOT / source).exists(), line
+    assert "ARG TORCH=2.13.0" in text and "download.pytorch.org/whl/cpu" in text
+    assert any(line.startswith("USER ") and "root" not in line for line in lines)
+    assert "ARG DEVICE=cpu" in text

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Callable
+from dataclasses import replace
 
 from pdserve.errors import NoCapacity, RouterError, WorkerCallError, WorkerUnreachable
 from pdserve.protocol.request_state import Reason
@@ -128,6 +129,9 @@ class ColocatedFlow:
                         event: TokenEvent | None = first
                         while event is not None:
                             output.extend(event.token_ids)
+                            if query.revision is None and output:
+                                # What the client has came from this revision: so must the rest.
+                                query = replace(query, revision=self._pool.digest_of(url))
                             if event.error is not None or event.finish_reason == "error":
                                 kind = event.error_type or "StreamError"
                                 raise WorkerCallError(

@@ -45,7 +45,7 @@ import contextlib
 import enum
 import time
 from collections.abc import AsyncGenerator, Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pdserve.errors import NoCapacity, RouterError, WorkerUnreachable
 from pdserve.faults import FaultInjector, FaultSite
@@ -244,7 +244,8 @@ class DisaggFlow:
         try:
             leg = await self._reserver.reserve(request, run.query, rid, run.failed_prefill)
         except NoCapacity as exc:
-            if _only_prefill_missing(self._pool.snapshot(), run.failed_prefill):
+            views = self._affinity.revision_views(self._pool.snapshot(), run.query)
+            if _only_prefill_missing(views, run.failed_prefill):
                 fail_step(Phase.RESERVE, exc, Cause.NO_PREFILL)
             raise
         run.leg = leg
@@ -259,6 +260,7 @@ class DisaggFlow:
                 yield TokenChunk.of_prefill(result, finish)
                 return
             run.sent.append(result.first_token_id)
+            self._pin(run, leg.decode_url)
             yield TokenChunk.of_prefill(result)
         # A re-prefill after the first token was sent draws that same token (same seed and
         # index): decoding continues after the token the client has.
@@ -381,7 +383,8 @@ class DisaggFlow:
         `StepFailed(resume_failed)` if that worker fails."""
         request = run.request
         timeline = request.timeline
-        candidates = [v.url for v in rank_decode(self._pool.snapshot(), exclude=run.failed_decode)]
+        views = self._affinity.revision_views(self._pool.snapshot(), run.query)
+        candidates = [v.url for v in rank_decode(views, exclude=run.failed_decode)]
         if prefer is None and run.sent:
             prefer = checkpoint_plan.resume_on(self._recovery, run.holder)
         if prefer in candidates:
@@ -409,7 +412,10 @@ class DisaggFlow:
             )
             source = checkpoint_plan.source(recovery, run.holder, caches)
         run.holder = checkpoint_plan.choose_holder(
-            self._pool.snapshot(), url, keep=run.holder, exclude=run.failed_decode
+            self._affinity.revision_views(self._pool.snapshot(), run.query),
+            url,
+            keep=run.holder,
+            exclude=run.failed_decode,
         )
         body = GenerateRequest(
             request_id=rid,
@@ -431,6 +437,7 @@ class DisaggFlow:
                         if timeline.state is S.ROUTED:
                             progress.decoding(timeline, url)
                         run.sent.extend(event.token_ids)
+                        self._pin(run, url)
                         if event.finished:
                             finished = True
                             progress.finished(timeline, event.finish_reason or "")
@@ -459,6 +466,11 @@ class DisaggFlow:
             if self._affinity.local_prefill(decode, query):
                 return decode.url
         return None
+
+    def _pin(self, run: _Run, url: str) -> None:
+        """Keep the request on the revision that computed what the client has now."""
+        if run.query.revision is None and run.sent:
+            run.query = replace(run.query, revision=self._pool.digest_of(url))
 
     def _first_token_finishes(self, request: FlowRequest, token_id: int) -> str | None:
         sampling = request.sampling

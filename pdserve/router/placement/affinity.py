@@ -45,9 +45,10 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.block_manager import prefix_block_hashes
 from pdserve.router.config import AffinityConfig
-from pdserve.router.placement import policy
+from pdserve.router.placement import policy, revisions
 from pdserve.router.placement.policy import WorkerView
 from pdserve.router.placement.prefix_index import PrefixIndex
+from pdserve.router.placement.revisions import RevisionBook
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +61,9 @@ class RouteQuery:
     session_id: str | None = None
     # The request's arrival number (round-robin rotates by it).
     ticket: int = 0
+    # The model revision (fingerprint digest) the request is pinned to once a token was sent;
+    # None: placed on the newest ready revision (`placement/revisions.py`).
+    revision: str | None = None
     # Block hashes of the prompt by block size, computed once per request (a prompt of n
     # tokens costs n / block_size xxh3 calls; every candidate is scored against them).
     _hashes: dict[int, list[int]] = field(default_factory=dict, compare=False, repr=False)
@@ -104,6 +108,7 @@ class AffinityPolicy:
         # worker restarted at the same url holds nothing of the session, so it is no holder.
         self._sessions: OrderedDict[str, tuple[str, str]] = OrderedDict()
         self._num_tickets = 0
+        self.revisions = RevisionBook()
 
     # ---- queries ------------------------------------------------------------------------------
 
@@ -166,10 +171,22 @@ class AffinityPolicy:
 
     # ---- ranking ------------------------------------------------------------------------------
 
+    def revision_views(
+        self, views: Sequence[WorkerView], query: RouteQuery, colocated: bool = False
+    ) -> list[WorkerView]:
+        """The workers of the query's revision: the pinned one, else the one `revisions.choose`
+        gives (every worker when no revision is ready)."""
+        self.revisions.note(views)
+        digest = query.revision or revisions.choose(
+            views, self.revisions, query.ticket, colocated, self.config.canary_weight
+        )
+        return revisions.restrict(views, digest)
+
     def rank_decode(
         self, views: Sequence[WorkerView], query: RouteQuery, exclude: Collection[str] = ()
     ) -> list[WorkerView]:
-        """Decode candidates (role decode or both) of the compatible group, best first."""
+        """Decode candidates (role decode or both) of the request's revision, best first."""
+        views = self.revision_views(views, query)
         if self.config.routing == "load":
             return policy.rank_decode(views, exclude)
         return self._rank(views, query, ("decode", "both"), exclude)
@@ -177,8 +194,9 @@ class AffinityPolicy:
     def rank_colocated(
         self, views: Sequence[WorkerView], query: RouteQuery, exclude: Collection[str] = ()
     ) -> list[WorkerView]:
-        """Workers that run a whole request of the compatible group, best first (role both,
+        """Workers that run a whole request of the request's revision, best first (role both,
         else decode workers: `policy.rank_colocated`)."""
+        views = self.revision_views(views, query, colocated=True)
         if self.config.routing == "load":
             return policy.rank_colocated(views, exclude)
         return self._rank(views, query, ("both",), exclude) or self._rank(
@@ -219,6 +237,7 @@ class AffinityPolicy:
         exclude: Collection[str] = (),
     ) -> WorkerView | None:
         """The prefill worker for `decode`: same digest, never `decode` itself."""
+        views = self.revision_views(views, query)
         routing = self.config.routing
         if routing == "load" or decode.health is None:
             return policy.pick_prefill(views, decode, exclude)

@@ -277,6 +277,11 @@ class WorkerPool:
             if e.model_problem is not None
         ]
 
+    def digest_of(self, url: str) -> str | None:
+        """The fingerprint digest (revision) `url` last reported, None before its first poll."""
+        entry = self._entries.get(url)
+        return None if entry is None or entry.health is None else entry.health.fingerprint_digest
+
     def num_restarts(self, url: str) -> int:
         """Times `url` answered as a new instance of its worker (restarts seen)."""
         entry = self._entries.get(url)

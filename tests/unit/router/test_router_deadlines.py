@@ -97,6 +97,12 @@ class FakePool:
     def mark_failed(self, url: str, reason: str) -> None:
         self.failed.add(url)
 
+    def digest_of(self, url: str) -> str | None:
+        return next(
+            (v.health.fingerprint_digest for v in self.snapshot() if v.url == url and v.health),
+            None,
+        )
+
 
 @dataclass
 class FakeClient:
