@@ -14,17 +14,16 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
+from rolling import FixedWorkers, SteadyLoad, p99
 from test_decode_death import health, stream_tokens
-from test_restarts import free_ports
 from waiting import until_sync
-from worker_proc import WorkerHandle, launch_worker, router_process, wait_ready, worker_processes
+from worker_proc import launch_worker, router_process, wait_ready, worker_processes
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +32,7 @@ DRAIN = ("--drain-timeout-s", os.environ.get("PDSERVE_TEST_DRAIN_S", "20"))
 DRAINS = DRAIN[1] != "0"
 # Tokens leave each decode worker every 20 ms: a stream lasts about a second, so a stop
 # without a drain lands inside streams.
-SLOW = ("--fault", "worker.decode_tokens:delay:delay_s=0.02,times=0")
+SLOW = {False: (), True: ("--fault", "worker.decode_tokens:delay:delay_s=0.02,times=0")}
 NUM_CLIENTS = 3
 
 
@@ -51,50 +50,23 @@ def metric(url: str, name: str) -> float:
 def test_a_rolling_restart_with_drain_fails_nothing_and_migrates_nothing(
     tiny_model_path: Path, tmp_path: Path
 ) -> None:
-    ports = free_ports(6)
-    specs = {
-        "prefill-0": ("prefill", ("--port", str(ports[0]))),
-        "prefill-1": ("prefill", ("--port", str(ports[1]))),
-        "decode-0": ("decode", ("--port", str(ports[2]), "--kv-port", str(ports[3]))),
-        "decode-1": ("decode", ("--port", str(ports[4]), "--kv-port", str(ports[5]))),
-    }
     with worker_processes() as handles:
-
-        def start(name: str) -> WorkerHandle:
-            role, args = specs[name]
-            args = (*args, "--worker-id", name, *DRAIN, *(SLOW if role == "decode" else ()))
-            handle = launch_worker(role, tmp_path, model=tiny_model_path, extra_args=args)
-            handles.append(handle)
-            return handle
-
-        running = {name: start(name) for name in specs}
+        workers = FixedWorkers(tmp_path, handles, lambda role: (*DRAIN, *SLOW[role == "decode"]))
+        running = {name: workers.start(name, tiny_model_path) for name in workers.specs}
         for handle in running.values():
             wait_ready(handle)
         urls = [h.url for h in running.values()]
         with router_process(tmp_path, tiny_model_path, urls) as url:
             references = {i: stream_tokens(url, body(i))[0] for i in range(5)}
             before = metric(url, "pdserve_router_retries_total")
-            stop = threading.Event()
-            outcomes: list[tuple[int, object]] = []
-
-            def client(k: int) -> None:
-                i = k
-                while not stop.is_set():
-                    try:
-                        outcomes.append((i, stream_tokens(url, body(i))[0]))
-                    except Exception as exc:  # the assertion below names it
-                        outcomes.append((i, exc))
-                    i += NUM_CLIENTS
-
-            clients = [threading.Thread(target=client, args=(k,)) for k in range(NUM_CLIENTS)]
-            for t in clients:
-                t.start()
             drain_s: list[float] = []
             back_s: list[float] = []
-            try:
-                for name in specs:
+            with SteadyLoad(url, body, NUM_CLIENTS).running() as load:
+                until_sync(lambda: load.count() >= 12, timeout_s=60)  # the steady baseline
+                restart_began = time.monotonic()
+                for name in workers.specs:
                     old = running[name]
-                    until_sync(lambda: len(outcomes) >= 2, timeout_s=60)  # under load
+                    until_sync(lambda: load.count() >= 2, timeout_s=60)  # under load
                     started = time.monotonic()
                     old.terminate()
                     assert old.proc.wait(30) == 0, old.log()  # drained and left on its own
@@ -102,7 +74,7 @@ def test_a_rolling_restart_with_drain_fails_nothing_and_migrates_nothing(
                     if DRAINS:
                         assert "drained after" in old.log(), old.log()[-2000:]
                     relaunched = time.monotonic()
-                    running[name] = wait_ready(start(name))
+                    running[name] = wait_ready(workers.start(name, tiny_model_path))
                     until_sync(
                         lambda n=name: any(
                             w["worker_id"] == n and w["healthy"] and w["num_restarts"] == 1
@@ -111,14 +83,10 @@ def test_a_rolling_restart_with_drain_fails_nothing_and_migrates_nothing(
                         timeout_s=10,
                     )
                     back_s.append(time.monotonic() - relaunched)
-                    outcomes_before = len(outcomes)
-                    until_sync(lambda b=outcomes_before: len(outcomes) >= b + 2, timeout_s=60)
-            finally:
-                stop.set()
-                for t in clients:
-                    t.join(timeout=120)
-            wrong = [(i, got) for i, got in outcomes if got != references[i % 5]]
-            assert wrong == [] and len(outcomes) >= 12
+                    done = load.count()
+                    until_sync(lambda d=done: load.count() >= d + 2, timeout_s=60)
+            wrong = [(i, got) for i, got in load.outcomes if got != references[i % 5]]
+            assert wrong == [] and len(load.outcomes) >= 12
             migrations = metric(url, "pdserve_router_migrations_total")
             steps_taken = metric(url, "pdserve_router_retries_total") - before
             # Drained, nothing is cut: no stream migrates, and at most a request that raced a
@@ -127,12 +95,19 @@ def test_a_rolling_restart_with_drain_fails_nothing_and_migrates_nothing(
             with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
                 steps = [line for line in resp.read().decode().splitlines()
                          if line.startswith("pdserve_router_retries_total")]  # fmt: skip
+            steady = [t for t in load.timings if t.start_s < restart_began]
+            during = [t for t in load.timings if t.start_s >= restart_began]
             print(
-                f"rolling restart, drain {DRAIN[1]} s: {len(outcomes)} requests right, stops took"
-                f" {', '.join(f'{s:.2f}' for s in drain_s)} s, recovery steps"
-                f" {metric(url, 'pdserve_router_retries_total') - before:.0f}: {steps};"
-                f" migrations {migrations:.0f}; serving again {max(back_s):.2f} s at most after"
-                " the relaunch"
+                f"TTFT p99 {p99([t.ttft_s for t in steady]) * 1e3:.0f} ms steady,"
+                f" {p99([t.ttft_s for t in during]) * 1e3:.0f} ms during the restart;"
+                f" TPOT p99 {p99([t.tpot_s for t in steady]) * 1e3:.1f} ms steady,"
+                f" {p99([t.tpot_s for t in during]) * 1e3:.1f} ms during"
+            )
+            print(
+                f"rolling restart, drain {DRAIN[1]} s: {len(load.outcomes)} requests right,"
+                f" stops took {', '.join(f'{s:.2f}' for s in drain_s)} s, recovery steps"
+                f" {steps_taken:.0f}: {steps}; migrations {migrations:.0f}; serving again"
+                f" {max(back_s):.2f} s at most after the relaunch"
             )
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import threading
 import urllib.error
 import urllib.request
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from cluster_auth import HTTP_KEY
+from rolling import free_ports
 from test_decode_death import health, stream_tokens
 from waiting import until_sync
 from worker_proc import WorkerHandle, launch_worker, router_process, wait_ready, worker_processes
@@ -32,17 +32,6 @@ pytestmark = pytest.mark.slow
 
 # Each KV handoff waits 0.6 s in the prefill worker's sender, so the kill lands mid-handoff.
 SLOW_HANDOFF = ("--fault", "transfer.send:delay:delay_s=0.6,times=0")
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def signed_call(url: str, path: str, target: str | None) -> tuple[int, dict[str, object]]:

@@ -12,14 +12,13 @@ neither), both revisions served during the rollout and only the new one at its e
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import pytest
-from test_decode_death import health, stream_tokens
-from test_restarts import free_ports
+from rolling import FixedWorkers, SteadyLoad
+from test_decode_death import health
 from waiting import until_sync
-from worker_proc import WorkerHandle, launch_worker, router_process, wait_ready, worker_processes
+from worker_proc import router_process, wait_ready, worker_processes
 
 from pdserve import LLM, SamplingParams
 from pdserve.model.tiny import build_tiny_model
@@ -53,67 +52,36 @@ def test_a_worker_by_worker_rollout_under_load_fails_nothing_and_never_mixes_rev
     new_model = build_tiny_model(tmp_path / "new" / tiny_model_path.name, seed=12345)
     expected = {"old": offline(tiny_model_path), "new": offline(new_model)}
     assert expected["old"] != expected["new"]
-    ports = free_ports(6)
-    specs = {
-        "prefill-0": ("prefill", ("--port", str(ports[0]))),
-        "prefill-1": ("prefill", ("--port", str(ports[1]))),
-        "decode-0": ("decode", ("--port", str(ports[2]), "--kv-port", str(ports[3]))),
-        "decode-1": ("decode", ("--port", str(ports[4]), "--kv-port", str(ports[5]))),
-    }
     with worker_processes() as handles:
-
-        def start(name: str, model: Path) -> WorkerHandle:
-            role, args = specs[name]
-            args = (*args, "--worker-id", name, "--drain-timeout-s", "20")
-            handle = launch_worker(role, tmp_path, model=model, extra_args=args)
-            handles.append(handle)
-            return handle
-
-        running = {name: start(name, tiny_model_path) for name in specs}
+        workers = FixedWorkers(tmp_path, handles, lambda role: ("--drain-timeout-s", "20"))
+        running = {name: workers.start(name, tiny_model_path) for name in workers.specs}
         for handle in running.values():
             wait_ready(handle)
-        with router_process(tmp_path, tiny_model_path, [h.url for h in running.values()]) as url:
-            stop = threading.Event()
-            outcomes: list[tuple[int, object]] = []
-
-            def client(k: int) -> None:
-                i = k
-                while not stop.is_set():
-                    try:
-                        outcomes.append((i, "".join(stream_tokens(url, body(i))[0])))
-                    except Exception as exc:  # the assertion below names it
-                        outcomes.append((i, exc))
-                    i += NUM_CLIENTS
-
-            clients = [threading.Thread(target=client, args=(k,)) for k in range(NUM_CLIENTS)]
-            for t in clients:
-                t.start()
-            try:
-                # Prefill first: the new revision is ready only once it has both roles.
-                for name in ("prefill-0", "decode-0", "prefill-1", "decode-1"):
-                    before = len(outcomes)
-                    until_sync(lambda b=before: len(outcomes) >= b + 3, timeout_s=60)
-                    old = running[name]
-                    old.terminate()
-                    assert old.proc.wait(30) == 0, old.log()[-2000:]
-                    running[name] = wait_ready(start(name, new_model))
-                    until_sync(
-                        lambda n=name: any(
-                            w["worker_id"] == n and w["healthy"]
-                            for w in health(url)["workers"]  # type: ignore[attr-defined]
-                        ),
-                        timeout_s=10,
-                    )
-                done = len(outcomes)
-                until_sync(lambda: len(outcomes) >= done + 6, timeout_s=60)
-            finally:
-                stop.set()
-                for t in clients:
-                    t.join(timeout=120)
+        with (
+            router_process(tmp_path, tiny_model_path, [h.url for h in running.values()]) as url,
+            SteadyLoad(url, body, NUM_CLIENTS).running() as load,
+        ):
+            # Prefill first: the new revision is ready only once it has both roles.
+            for name in ("prefill-0", "decode-0", "prefill-1", "decode-1"):
+                before = load.count()
+                until_sync(lambda b=before: load.count() >= b + 3, timeout_s=60)
+                old = running[name]
+                old.terminate()
+                assert old.proc.wait(30) == 0, old.log()[-2000:]
+                running[name] = wait_ready(workers.start(name, new_model))
+                until_sync(
+                    lambda n=name: any(
+                        w["worker_id"] == n and w["healthy"]
+                        for w in health(url)["workers"]  # type: ignore[attr-defined]
+                    ),
+                    timeout_s=10,
+                )
+            done = load.count()
+            until_sync(lambda: load.count() >= done + 6, timeout_s=60)
     which = []
-    for i, got in outcomes:
+    for i, got in load.outcomes:
         assert not isinstance(got, BaseException), (i, got)
-        revision = [r for r, texts in expected.items() if got == texts[i % 4]]
+        revision = [r for r, texts in expected.items() if "".join(got) == texts[i % 4]]
         assert revision, (i, got, expected)  # one checkpoint's own answer, never a mix
         which.append(revision[0])
     assert "old" in which and "new" in which
