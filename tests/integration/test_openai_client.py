@@ -12,6 +12,7 @@ disaggregated request takes the KV-transfer path.
 from __future__ import annotations
 
 import json
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -19,8 +20,10 @@ from pathlib import Path
 
 import openai
 import pytest
-from openai_cases import CASES, TOOLS, check_valid, client, run_case
+from openai_cases import CASES, MODEL, TOOLS, check_valid, client, run_case
 from worker_proc import launch_worker, router_process, wait_ready, worker_processes
+
+from pdserve.model.tokenizer import Tokenizer
 
 # Bitwise-equal logprobs on every path need the batch-invariant forward (off by default).
 WORKER_ARGS = ("--kv-cache-bytes", str(32 << 20), "--batch-invariant")
@@ -156,3 +159,62 @@ def test_client_errors_are_openai_errors(cluster: tuple[str, str]) -> None:
     models = api.models.list()
     assert [m.id for m in models.data] == ["tiny-v2"]
     assert get(f"{plain}/version")["version"]
+
+
+def test_tokenize_as_vllm_answers(cluster: tuple[str, str], tiny_model_path: Path) -> None:
+    """vLLM tests/entrypoints/openai/test_tokenization.py, re-expressed against both routers:
+    test_tokenize_completions (tokens, count, max_model_len, `token_strs` null for either
+    add_special_tokens), test_tokenize_chat and test_tokenize_chat_with_tools (the template's
+    prompt with add_generation_prompt / continue_final_message / add_special_tokens, tools
+    rendered), test_tokenize_with_return_token_strs (the vocabulary's own pieces, as
+    convert_ids_to_tokens), test_detokenize (`{"prompt": text}` and nothing else)."""
+    tok = Tokenizer(tiny_model_path)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"location": {"type": "string"}}}}}]  # fmt: skip
+    for url in cluster:
+        max_len = post(f"{url}/tokenize", {"prompt": "x"})["max_model_len"]
+        assert isinstance(max_len, int) and max_len > 0
+        for add_special in (False, True):
+            prompt = "vllm1 This is a test prompt."
+            ids = tok.encode(prompt, add_special_tokens=add_special)
+            got = post(f"{url}/tokenize", {"model": MODEL, "prompt": prompt,
+                                          "add_special_tokens": add_special})  # fmt: skip
+            assert got == {"count": len(ids), "max_model_len": max_len, "tokens": ids,
+                           "token_strs": None}  # fmt: skip
+        for with_tools in (False, True):
+            for add_gen in (False, True):
+                for add_special in (False, True):
+                    for cont in (False, True):
+                        if add_gen and cont:
+                            continue
+                        conv = [
+                            {"role": "user", "content": "Hi there!"},
+                            {"role": "assistant", "content": "Nice to meet you!"},
+                            {"role": "user", "content": "Can I ask a question? vllm1"},
+                        ]
+                        conv += [{"role": "assistant", "content": "Sure,"}] * cont
+                        text = tok.render_chat(conv, add_gen, tools if with_tools else None,
+                                               continue_final_message=cont)  # fmt: skip
+                        ids = tok.encode(text, add_special_tokens=add_special)
+                        req = {"model": MODEL, "messages": conv, "add_generation_prompt": add_gen,
+                               "continue_final_message": cont, "add_special_tokens": add_special,
+                               **({"tools": tools} if with_tools else {})}  # fmt: skip
+                        got = post(f"{url}/tokenize", req)
+                        assert got == {"count": len(ids), "max_model_len": max_len,
+                                       "tokens": ids, "token_strs": None}, req  # fmt: skip
+                        if cont:
+                            assert text.endswith("Sure,")
+        prompt = "This is a token_strs test prompt! vllm1"
+        ids = tok.encode(prompt)
+        got = post(f"{url}/tokenize", {"model": MODEL, "prompt": prompt, "return_token_strs": True})
+        assert got["tokens"] == ids and got["token_strs"] == tok.token_strs(ids)
+        prompt = "This is a test prompt. vllm1"
+        ids = tok.encode(prompt, add_special_tokens=False)
+        assert post(f"{url}/detokenize", {"model": MODEL, "tokens": ids}) == {"prompt": prompt}
+        # As /v1/chat/completions: continuing the final message and opening a new one is a 400.
+        both = {"messages": [{"role": "assistant", "content": "Sure,"}],
+                "continue_final_message": True, "add_generation_prompt": True}  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError) as info:
+            post(f"{url}/tokenize", both)
+        assert info.value.code == 400
+        assert json.loads(info.value.read())["error"]["param"] == "continue_final_message"
