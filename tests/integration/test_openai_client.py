@@ -218,3 +218,30 @@ def test_tokenize_as_vllm_answers(cluster: tuple[str, str], tiny_model_path: Pat
             post(f"{url}/tokenize", both)
         assert info.value.code == 400
         assert json.loads(info.value.read())["error"]["param"] == "continue_final_message"
+
+
+def test_basic_endpoints_as_vllm_answers(cluster: tuple[str, str]) -> None:
+    """vLLM tests/entrypoints/openai/test_basic.py, re-expressed against both routers:
+    test_show_version (`{"version": ...}` and nothing else), test_check_health (200), and
+    test_request_wrong_content_type (a form-encoded body is refused: 415, an OpenAI error)."""
+    for url in cluster:
+        version = get(f"{url}/version")
+        assert list(version) == ["version"] and isinstance(version["version"], str)
+        with urllib.request.urlopen(f"{url}/health", timeout=30) as resp:
+            assert resp.status == 200
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+        req = urllib.request.Request(
+            f"{url}/v1/chat/completions",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/x-www-form-urlencoded"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(req, timeout=30)
+        assert info.value.code == 415
+        error = json.loads(info.value.read())["error"]
+        assert error["code"] == "unsupported_media_type" and error["message"]
+        with pytest.raises(openai.APIStatusError):
+            client(url).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                extra_headers={"Content-Type": "application/x-www-form-urlencoded"},
+            )  # fmt: skip
