@@ -245,3 +245,38 @@ def test_basic_endpoints_as_vllm_answers(cluster: tuple[str, str]) -> None:
                 model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
                 extra_headers={"Content-Type": "application/x-www-form-urlencoded"},
             )  # fmt: skip
+
+
+def test_chat_echo_with_continue_final_message(cluster: tuple[str, str]) -> None:
+    """vLLM tests/entrypoints/openai/test_chat_echo.py::
+    test_chat_session_with_echo_and_continue_final_message, against both routers, streamed and
+    not: with `echo` the content starts with the continued assistant message's text, without
+    it the content is only the continuation, the same on every path. (Its `finish_reason ==
+    "stop"` belongs to its instruct model: the tiny random model runs to max_tokens.)"""
+    saying = "Here is a common saying about apple. An apple a day, keeps"
+    messages = [{"role": "user", "content": "tell me a common saying"},
+                {"role": "assistant", "content": saying}]  # fmt: skip
+    answers = []
+    for url in cluster:
+        api = client(url)
+        for stream in (False, True):
+            got = {}
+            for echo in (True, False):
+                extra = {"echo": echo, "continue_final_message": True,
+                         "add_generation_prompt": False}  # fmt: skip
+                kw = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0,
+                      "extra_body": extra}  # fmt: skip
+                if stream:
+                    chunks = list(api.chat.completions.create(stream=True, **kw))  # type: ignore[call-overload]
+                    assert chunks[0].choices[0].delta.role == "assistant"
+                    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                else:
+                    out = api.chat.completions.create(**kw)  # type: ignore[call-overload]
+                    assert out.id and len(out.choices) == 1
+                    assert out.choices[0].message.role == "assistant"
+                    text = out.choices[0].message.content
+                got[echo] = text
+            assert got[True].startswith(saying) and saying not in got[False]
+            assert got[True] == saying + got[False]
+            answers.append(got[False])
+    assert len(set(answers)) == 1, answers
