@@ -280,3 +280,56 @@ def test_chat_echo_with_continue_final_message(cluster: tuple[str, str]) -> None
             assert got[True] == saying + got[False]
             answers.append(got[False])
     assert len(set(answers)) == 1, answers
+
+
+def test_logprobs_streaming_and_stream_options_as_vllm(cluster: tuple[str, str]) -> None:
+    """vLLM tests/entrypoints/openai/test_chat.py and test_completion.py, the model-independent
+    assertions, against both routers: test_no_logprobs_chat (no logprobs object),
+    test_zero_logprobs_chat / test_some_logprobs_chat (`top_logprobs` alternatives per token),
+    test_too_many_chat_logprobs / test_too_many_completion_logprobs (21 is a 400, streamed or
+    not), test_chat_streaming / test_completion_streaming (greedy streamed text and finish
+    reason equal the whole answer's, the role first), test_chat_completion_stream_options /
+    test_completion_stream_options (no usage without include_usage; with it, only a last
+    chunk with no choices carries it and its totals add up; stream_options without stream is
+    a 400)."""
+    msgs = [{"role": "user", "content": "what is 1+1?"}]
+    for url in cluster:
+        api = client(url)
+        chat = {"model": MODEL, "messages": msgs, "max_tokens": 5, "temperature": 0}
+        out = api.chat.completions.create(**chat, logprobs=False)  # type: ignore[call-overload]
+        assert out.choices[0].logprobs is None
+        for top in (0, 5):
+            out = api.chat.completions.create(**chat, logprobs=True, top_logprobs=top)  # type: ignore[call-overload]
+            content = out.choices[0].logprobs.content
+            assert content and all(len(t.top_logprobs) == top for t in content)
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError):
+                api.chat.completions.create(**chat, logprobs=True, top_logprobs=21, stream=stream)  # type: ignore[call-overload]
+            with pytest.raises(openai.BadRequestError):
+                api.completions.create(model=MODEL, prompt="x", logprobs=21, stream=stream)
+        whole = api.chat.completions.create(**chat)  # type: ignore[call-overload]
+        chunks = list(api.chat.completions.create(**chat, stream=True))  # type: ignore[call-overload]
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert (
+            "".join(c.choices[0].delta.content or "" for c in chunks)
+            == whole.choices[0].message.content
+        )
+        assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+        comp = {"model": MODEL, "prompt": "What is an LLM?", "max_tokens": 5, "temperature": 0}
+        whole_c = api.completions.create(**comp)  # type: ignore[call-overload]
+        chunks_c = list(api.completions.create(**comp, stream=True))  # type: ignore[call-overload]
+        assert "".join(c.choices[0].text for c in chunks_c) == whole_c.choices[0].text
+        assert chunks_c[-1].choices[0].finish_reason == whole_c.choices[0].finish_reason
+        for kind, create, req in (("chat", api.chat.completions.create, chat),
+                                  ("completion", api.completions.create, comp)):  # fmt: skip
+            plain = list(create(**req, stream=True, stream_options={"include_usage": False}))  # type: ignore[operator]
+            assert all(c.usage is None for c in plain), kind
+            usage = list(create(**req, stream=True, stream_options={"include_usage": True}))  # type: ignore[operator]
+            assert all(c.usage is None for c in usage[:-1]), kind
+            last = usage[-1]
+            assert last.choices == [] and last.usage is not None, kind
+            u = last.usage
+            assert u.prompt_tokens > 0 and u.completion_tokens > 0
+            assert u.prompt_tokens + u.completion_tokens == u.total_tokens
+            with pytest.raises(openai.BadRequestError):
+                create(**req, stream=False, stream_options={"include_usage": True})  # type: ignore[operator]
