@@ -81,6 +81,19 @@ def cluster(
         yield plain, faulty
 
 
+def layouts(cluster: tuple[str, str]) -> Iterator[str]:
+    """The plain router disaggregated, then colocated (switched back after), then the router
+    whose prefills are lost once in two (re-prefills): each URL while it serves that way."""
+    plain, faulty = cluster
+    yield plain
+    post(f"{plain}/admin/mode", {"mode": "colocated"})
+    try:
+        yield plain
+    finally:
+        post(f"{plain}/admin/mode", {"mode": "disagg"})
+    yield faulty
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_every_feature_is_identical_across_paths(cluster: tuple[str, str], name: str) -> None:
     plain, faulty = cluster
@@ -162,7 +175,8 @@ def test_client_errors_are_openai_errors(cluster: tuple[str, str]) -> None:
 
 
 def test_tokenize_as_vllm_answers(cluster: tuple[str, str], tiny_model_path: Path) -> None:
-    """vLLM tests/entrypoints/openai/test_tokenization.py, re-expressed against both routers:
+    """vLLM tests/entrypoints/openai/test_tokenization.py, re-expressed on every layout
+    (colocated, disaggregated, re-prefilled):
     test_tokenize_completions (tokens, count, max_model_len, `token_strs` null for either
     add_special_tokens), test_tokenize_chat and test_tokenize_chat_with_tools (the template's
     prompt with add_generation_prompt / continue_final_message / add_special_tokens, tools
@@ -171,7 +185,7 @@ def test_tokenize_as_vllm_answers(cluster: tuple[str, str], tiny_model_path: Pat
     tok = Tokenizer(tiny_model_path)
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"location": {"type": "string"}}}}}]  # fmt: skip
-    for url in cluster:
+    for url in layouts(cluster):
         max_len = post(f"{url}/tokenize", {"prompt": "x"})["max_model_len"]
         assert isinstance(max_len, int) and max_len > 0
         for add_special in (False, True):
@@ -221,10 +235,11 @@ def test_tokenize_as_vllm_answers(cluster: tuple[str, str], tiny_model_path: Pat
 
 
 def test_basic_endpoints_as_vllm_answers(cluster: tuple[str, str]) -> None:
-    """vLLM tests/entrypoints/openai/test_basic.py, re-expressed against both routers:
+    """vLLM tests/entrypoints/openai/test_basic.py, re-expressed on every layout
+    (colocated, disaggregated, re-prefilled):
     test_show_version (`{"version": ...}` and nothing else), test_check_health (200), and
     test_request_wrong_content_type (a form-encoded body is refused: 415, an OpenAI error)."""
-    for url in cluster:
+    for url in layouts(cluster):
         version = get(f"{url}/version")
         assert list(version) == ["version"] and isinstance(version["version"], str)
         with urllib.request.urlopen(f"{url}/health", timeout=30) as resp:
@@ -249,7 +264,7 @@ def test_basic_endpoints_as_vllm_answers(cluster: tuple[str, str]) -> None:
 
 def test_chat_echo_with_continue_final_message(cluster: tuple[str, str]) -> None:
     """vLLM tests/entrypoints/openai/test_chat_echo.py::
-    test_chat_session_with_echo_and_continue_final_message, against both routers, streamed and
+    test_chat_session_with_echo_and_continue_final_message, colocated, disaggregated and re-prefilled, streamed and
     not: with `echo` the content starts with the continued assistant message's text, without
     it the content is only the continuation, the same on every path. (Its `finish_reason ==
     "stop"` belongs to its instruct model: the tiny random model runs to max_tokens.)"""
@@ -257,7 +272,7 @@ def test_chat_echo_with_continue_final_message(cluster: tuple[str, str]) -> None
     messages = [{"role": "user", "content": "tell me a common saying"},
                 {"role": "assistant", "content": saying}]  # fmt: skip
     answers = []
-    for url in cluster:
+    for url in layouts(cluster):
         api = client(url)
         for stream in (False, True):
             got = {}
@@ -284,7 +299,8 @@ def test_chat_echo_with_continue_final_message(cluster: tuple[str, str]) -> None
 
 def test_logprobs_streaming_and_stream_options_as_vllm(cluster: tuple[str, str]) -> None:
     """vLLM tests/entrypoints/openai/test_chat.py and test_completion.py, the model-independent
-    assertions, against both routers: test_no_logprobs_chat (no logprobs object),
+    assertions, on every layout (colocated, disaggregated, re-prefilled):
+    test_no_logprobs_chat (no logprobs object),
     test_zero_logprobs_chat / test_some_logprobs_chat (`top_logprobs` alternatives per token),
     test_too_many_chat_logprobs / test_too_many_completion_logprobs (21 is a 400, streamed or
     not), test_chat_streaming / test_completion_streaming (greedy streamed text and finish
@@ -293,7 +309,7 @@ def test_logprobs_streaming_and_stream_options_as_vllm(cluster: tuple[str, str])
     chunk with no choices carries it and its totals add up; stream_options without stream is
     a 400)."""
     msgs = [{"role": "user", "content": "what is 1+1?"}]
-    for url in cluster:
+    for url in layouts(cluster):
         api = client(url)
         chat = {"model": MODEL, "messages": msgs, "max_tokens": 5, "temperature": 0}
         out = api.chat.completions.create(**chat, logprobs=False)  # type: ignore[call-overload]
