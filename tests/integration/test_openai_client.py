@@ -255,6 +255,18 @@ def test_basic_endpoints_as_vllm_answers(cluster: tuple[str, str]) -> None:
         assert info.value.code == 415
         error = json.loads(info.value.read())["error"]
         assert error["code"] == "unsupported_media_type" and error["message"]
+        # Deliberate difference (README, "Honest refusals"): OpenAI's error shape, `type`
+        # "invalid_request_error" and a string `code` (vLLM: "BadRequestError" and 400).
+        req = urllib.request.Request(
+            f"{url}/v1/completions",
+            json.dumps({"model": MODEL, "prompt": "x", "logprobs": 21}).encode(),
+            {"Content-Type": "application/json"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(req, timeout=30)
+        error = json.loads(info.value.read())["error"]
+        assert info.value.code == 400 and set(error) == {"message", "type", "param", "code"}
+        assert error["type"] == "invalid_request_error" and error["param"] == "logprobs"
         with pytest.raises(openai.APIStatusError):
             client(url).chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
