@@ -11,6 +11,7 @@ disaggregated request takes the KV-transfer path.
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -255,6 +256,16 @@ def test_basic_endpoints_as_vllm_answers(cluster: tuple[str, str]) -> None:
         assert info.value.code == 415
         error = json.loads(info.value.read())["error"]
         assert error["code"] == "unsupported_media_type" and error["message"]
+        # Deliberate difference (README, "Honest refusals"): no Content-Type is read as JSON.
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.putrequest("POST", "/tokenize", skip_accept_encoding=True)
+        raw = json.dumps({"prompt": "hi"}).encode()
+        conn.putheader("Content-Length", str(len(raw)))
+        conn.endheaders(raw)
+        answer = conn.getresponse()
+        assert answer.status == 200 and json.loads(answer.read())["count"] > 0
+        conn.close()
         # Deliberate difference (README, "Honest refusals"): OpenAI's error shape, `type`
         # "invalid_request_error" and a string `code` (vLLM: "BadRequestError" and 400).
         req = urllib.request.Request(
