@@ -58,6 +58,7 @@ TOOLS = [
         },
     },
 ]
+SAYING = "Here is a common saying about apple. An apple a day, keeps"
 EARLIER_CALL = {
     "id": "call_1",
     "type": "function",
@@ -120,6 +121,27 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             "seed": 3,
             "logprobs": True,
             "extra_body": {"guided_choice": ["absolutely yes", "certainly not"]},
+        },
+    ),
+    # vLLM test_chat_echo.py: echo of the continued final message (see check_valid).
+    "chat-echo-continue": (
+        "chat",
+        {
+            "messages": [
+                {"role": "user", "content": "tell me a common saying"},
+                {"role": "assistant", "content": SAYING},
+            ],
+            "max_tokens": 20,
+            "temperature": 0.8,
+            "seed": 9,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "extra_body": {
+                "echo": True,
+                "continue_final_message": True,
+                "add_generation_prompt": False,
+                "ignore_eos": True,
+            },
         },
     ),
     "tool-required": (
@@ -262,6 +284,8 @@ def check_valid(name: str, outcomes: list[Outcome]) -> None:
         if name == "json-schema":
             value = json.loads(o.text)
             assert value["name"] in ("ada", "bob", "cy") and 0 <= value["age"] <= 99
+        if name == "chat-echo-continue":
+            assert o.text.startswith(SAYING) and len(o.text) > len(SAYING), o.text
         if name == "guided-choice":
             assert o.text in ("absolutely yes", "certainly not"), o.text
         assert o.logprobs, "every case asks for logprobs"

@@ -136,11 +136,27 @@ class Tokenizer:
         transformers passes them (`{"type": "function", "function": {...}}` each); with
         `continue_final_message`, the prompt ends inside the final message (as transformers
         cuts it: just after that message's text), for the model to continue it."""
+        text = self.render_chat(messages, add_generation_prompt, tools, continue_final_message)
+        return self.encode(text, add_special_tokens=False)
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        continue_final_message: bool = False,
+    ) -> str:
+        """The text `encode_chat` encodes (for /tokenize, which may add special tokens)."""
         extra = {"tools": list(tools)} if tools else {}
         text = self.apply_chat_template(messages, add_generation_prompt, **extra)
         if continue_final_message and messages:
             text = _open_final_message(text, messages[-1])
-        return self.encode(text, add_special_tokens=False)
+        return text
+
+    def token_strs(self, token_ids: Sequence[int]) -> list[str]:
+        """Each id's vocabulary entry as stored (byte-level pieces such as "Ġworld" kept as
+        they are), as transformers' `convert_ids_to_tokens` gives them."""
+        return [self._tok.id_to_token(t) or "" for t in token_ids]
 
     def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         """A fresh incremental detokenizer over this tokenizer."""

@@ -1,5 +1,5 @@
 """A decode worker SIGKILLed mid-stream while serving requests that use logprobs, penalties,
-min_tokens, logit_bias, echo, n > 1, structured output and a forced tool call: the migrated
+min_tokens, logit_bias, echo (completion and chat), n > 1, structured output and a forced tool call: the migrated
 stream's text, tool call and logprobs equal the fault-free run's bit for bit, and JSON or a
 call's arguments cut mid-object by the kill are still the same valid JSON (the grammar state
 is rebuilt from the tokens, and the sampler keeps the request's seed)."""
@@ -22,10 +22,10 @@ from worker_proc import WorkerHandle, launch_worker, router_process, wait_ready,
 def cluster(
     tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, list[WorkerHandle]]]:
-    """One prefill and five `both` workers: each case kills one decode worker."""
+    """One prefill and six `both` workers: each case kills one decode worker."""
     workdir = tmp_path_factory.mktemp("feature-migration")
     with worker_processes() as handles:
-        for role in ("prefill", "both", "both", "both", "both", "both"):
+        for role in ("prefill", "both", "both", "both", "both", "both", "both"):
             handles.append(launch_worker(role, workdir, model=tiny_model_path,
                                          extra_args=("--kv-cache-bytes", str(32 << 20), "--batch-invariant")))  # fmt: skip
         for handle in handles:
@@ -52,7 +52,9 @@ def migrations(url: str) -> float:
 # The chunk after which the decode worker dies: ~5 tokens in, well inside the JSON object of
 # the 20- or 24-token texts; for the tool call (one chunk a token: it asks for logprobs), past
 # its ~35-token `<tool_call>` header and name, inside the arguments.
-KILL_AT = {"json-schema": 6, "greedy-penalties-echo": 6, "seeded-n2-minp": 6, "tool-required": 42}
+# Chat echo (vLLM's test_chat_echo.py): chunk 0 is the role, chunk 1 the echoed message.
+KILL_AT = {"json-schema": 6, "greedy-penalties-echo": 6, "seeded-n2-minp": 6, "tool-required": 42,
+           "chat-echo-continue": 6}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(KILL_AT))

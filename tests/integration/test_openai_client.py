@@ -11,7 +11,9 @@ disaggregated request takes the KV-transfer path.
 
 from __future__ import annotations
 
+import http.client
 import json
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -19,8 +21,10 @@ from pathlib import Path
 
 import openai
 import pytest
-from openai_cases import CASES, TOOLS, check_valid, client, run_case
+from openai_cases import CASES, MODEL, TOOLS, check_valid, client, run_case
 from worker_proc import launch_worker, router_process, wait_ready, worker_processes
+
+from pdserve.model.tokenizer import Tokenizer
 
 # Bitwise-equal logprobs on every path need the batch-invariant forward (off by default).
 WORKER_ARGS = ("--kv-cache-bytes", str(32 << 20), "--batch-invariant")
@@ -76,6 +80,19 @@ def cluster(
             )
         )
         yield plain, faulty
+
+
+def layouts(cluster: tuple[str, str]) -> Iterator[str]:
+    """The plain router disaggregated, then colocated (switched back after), then the router
+    whose prefills are lost once in two (re-prefills): each URL while it serves that way."""
+    plain, faulty = cluster
+    yield plain
+    post(f"{plain}/admin/mode", {"mode": "colocated"})
+    try:
+        yield plain
+    finally:
+        post(f"{plain}/admin/mode", {"mode": "disagg"})
+    yield faulty
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -156,3 +173,202 @@ def test_client_errors_are_openai_errors(cluster: tuple[str, str]) -> None:
     models = api.models.list()
     assert [m.id for m in models.data] == ["tiny-v2"]
     assert get(f"{plain}/version")["version"]
+
+
+def test_tokenize_as_vllm_answers(cluster: tuple[str, str], tiny_model_path: Path) -> None:
+    """vLLM tests/entrypoints/openai/test_tokenization.py, re-expressed on every layout
+    (colocated, disaggregated, re-prefilled):
+    test_tokenize_completions (tokens, count, max_model_len, `token_strs` null for either
+    add_special_tokens), test_tokenize_chat and test_tokenize_chat_with_tools (the template's
+    prompt with add_generation_prompt / continue_final_message / add_special_tokens, tools
+    rendered), test_tokenize_with_return_token_strs (the vocabulary's own pieces, as
+    convert_ids_to_tokens), test_detokenize (`{"prompt": text}` and nothing else)."""
+    tok = Tokenizer(tiny_model_path)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"location": {"type": "string"}}}}}]  # fmt: skip
+    for url in layouts(cluster):
+        max_len = post(f"{url}/tokenize", {"prompt": "x"})["max_model_len"]
+        assert isinstance(max_len, int) and max_len > 0
+        for add_special in (False, True):
+            prompt = "vllm1 This is a test prompt."
+            ids = tok.encode(prompt, add_special_tokens=add_special)
+            got = post(f"{url}/tokenize", {"model": MODEL, "prompt": prompt,
+                                          "add_special_tokens": add_special})  # fmt: skip
+            assert got == {"count": len(ids), "max_model_len": max_len, "tokens": ids,
+                           "token_strs": None}  # fmt: skip
+        for with_tools in (False, True):
+            for add_gen in (False, True):
+                for add_special in (False, True):
+                    for cont in (False, True):
+                        if add_gen and cont:
+                            continue
+                        conv = [
+                            {"role": "user", "content": "Hi there!"},
+                            {"role": "assistant", "content": "Nice to meet you!"},
+                            {"role": "user", "content": "Can I ask a question? vllm1"},
+                        ]
+                        conv += [{"role": "assistant", "content": "Sure,"}] * cont
+                        text = tok.render_chat(conv, add_gen, tools if with_tools else None,
+                                               continue_final_message=cont)  # fmt: skip
+                        ids = tok.encode(text, add_special_tokens=add_special)
+                        req = {"model": MODEL, "messages": conv, "add_generation_prompt": add_gen,
+                               "continue_final_message": cont, "add_special_tokens": add_special,
+                               **({"tools": tools} if with_tools else {})}  # fmt: skip
+                        got = post(f"{url}/tokenize", req)
+                        assert got == {"count": len(ids), "max_model_len": max_len,
+                                       "tokens": ids, "token_strs": None}, req  # fmt: skip
+                        if cont:
+                            assert text.endswith("Sure,")
+        prompt = "This is a token_strs test prompt! vllm1"
+        ids = tok.encode(prompt)
+        got = post(f"{url}/tokenize", {"model": MODEL, "prompt": prompt, "return_token_strs": True})
+        assert got["tokens"] == ids and got["token_strs"] == tok.token_strs(ids)
+        prompt = "This is a test prompt. vllm1"
+        ids = tok.encode(prompt, add_special_tokens=False)
+        assert post(f"{url}/detokenize", {"model": MODEL, "tokens": ids}) == {"prompt": prompt}
+        # As /v1/chat/completions: continuing the final message and opening a new one is a 400.
+        both = {"messages": [{"role": "assistant", "content": "Sure,"}],
+                "continue_final_message": True, "add_generation_prompt": True}  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError) as info:
+            post(f"{url}/tokenize", both)
+        assert info.value.code == 400
+        assert json.loads(info.value.read())["error"]["param"] == "continue_final_message"
+
+
+def test_basic_endpoints_as_vllm_answers(cluster: tuple[str, str]) -> None:
+    """vLLM tests/entrypoints/openai/test_basic.py, re-expressed on every layout
+    (colocated, disaggregated, re-prefilled):
+    test_show_version (`{"version": ...}` and nothing else), test_check_health (200), and
+    test_request_wrong_content_type (a form-encoded body is refused: 415, an OpenAI error)."""
+    for url in layouts(cluster):
+        version = get(f"{url}/version")
+        assert list(version) == ["version"] and isinstance(version["version"], str)
+        with urllib.request.urlopen(f"{url}/health", timeout=30) as resp:
+            assert resp.status == 200
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+        req = urllib.request.Request(
+            f"{url}/v1/chat/completions",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/x-www-form-urlencoded"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(req, timeout=30)
+        assert info.value.code == 415
+        error = json.loads(info.value.read())["error"]
+        assert error["code"] == "unsupported_media_type" and error["message"]
+        # Deliberate difference (README, "Honest refusals"): no Content-Type is read as JSON.
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.putrequest("POST", "/tokenize", skip_accept_encoding=True)
+        raw = json.dumps({"prompt": "hi"}).encode()
+        conn.putheader("Content-Length", str(len(raw)))
+        conn.endheaders(raw)
+        answer = conn.getresponse()
+        assert answer.status == 200 and json.loads(answer.read())["count"] > 0
+        conn.close()
+        # Deliberate difference (README, "Honest refusals"): OpenAI's error shape, `type`
+        # "invalid_request_error" and a string `code` (vLLM: "BadRequestError" and 400).
+        req = urllib.request.Request(
+            f"{url}/v1/completions",
+            json.dumps({"model": MODEL, "prompt": "x", "logprobs": 21}).encode(),
+            {"Content-Type": "application/json"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(req, timeout=30)
+        error = json.loads(info.value.read())["error"]
+        assert info.value.code == 400 and set(error) == {"message", "type", "param", "code"}
+        assert error["type"] == "invalid_request_error" and error["param"] == "logprobs"
+        with pytest.raises(openai.APIStatusError):
+            client(url).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                extra_headers={"Content-Type": "application/x-www-form-urlencoded"},
+            )  # fmt: skip
+
+
+def test_chat_echo_with_continue_final_message(cluster: tuple[str, str]) -> None:
+    """vLLM tests/entrypoints/openai/test_chat_echo.py::
+    test_chat_session_with_echo_and_continue_final_message, colocated, disaggregated and re-prefilled, streamed and
+    not: with `echo` the content starts with the continued assistant message's text, without
+    it the content is only the continuation, the same on every path. (Its `finish_reason ==
+    "stop"` belongs to its instruct model: the tiny random model runs to max_tokens.)"""
+    saying = "Here is a common saying about apple. An apple a day, keeps"
+    messages = [{"role": "user", "content": "tell me a common saying"},
+                {"role": "assistant", "content": saying}]  # fmt: skip
+    answers = []
+    for url in layouts(cluster):
+        api = client(url)
+        for stream in (False, True):
+            got = {}
+            for echo in (True, False):
+                extra = {"echo": echo, "continue_final_message": True,
+                         "add_generation_prompt": False}  # fmt: skip
+                kw = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0,
+                      "extra_body": extra}  # fmt: skip
+                if stream:
+                    chunks = list(api.chat.completions.create(stream=True, **kw))  # type: ignore[call-overload]
+                    assert chunks[0].choices[0].delta.role == "assistant"
+                    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                else:
+                    out = api.chat.completions.create(**kw)  # type: ignore[call-overload]
+                    assert out.id and len(out.choices) == 1
+                    assert out.choices[0].message.role == "assistant"
+                    text = out.choices[0].message.content
+                got[echo] = text
+            assert got[True].startswith(saying) and saying not in got[False]
+            assert got[True] == saying + got[False]
+            answers.append(got[False])
+    assert len(set(answers)) == 1, answers
+
+
+def test_logprobs_streaming_and_stream_options_as_vllm(cluster: tuple[str, str]) -> None:
+    """vLLM tests/entrypoints/openai/test_chat.py and test_completion.py, the model-independent
+    assertions, on every layout (colocated, disaggregated, re-prefilled):
+    test_no_logprobs_chat (no logprobs object),
+    test_zero_logprobs_chat / test_some_logprobs_chat (`top_logprobs` alternatives per token),
+    test_too_many_chat_logprobs / test_too_many_completion_logprobs (21 is a 400, streamed or
+    not), test_chat_streaming / test_completion_streaming (greedy streamed text and finish
+    reason equal the whole answer's, the role first), test_chat_completion_stream_options /
+    test_completion_stream_options (no usage without include_usage; with it, only a last
+    chunk with no choices carries it and its totals add up; stream_options without stream is
+    a 400)."""
+    msgs = [{"role": "user", "content": "what is 1+1?"}]
+    for url in layouts(cluster):
+        api = client(url)
+        chat = {"model": MODEL, "messages": msgs, "max_tokens": 5, "temperature": 0}
+        out = api.chat.completions.create(**chat, logprobs=False)  # type: ignore[call-overload]
+        assert out.choices[0].logprobs is None
+        for top in (0, 5):
+            out = api.chat.completions.create(**chat, logprobs=True, top_logprobs=top)  # type: ignore[call-overload]
+            content = out.choices[0].logprobs.content
+            assert content and all(len(t.top_logprobs) == top for t in content)
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError):
+                api.chat.completions.create(**chat, logprobs=True, top_logprobs=21, stream=stream)  # type: ignore[call-overload]
+            with pytest.raises(openai.BadRequestError):
+                api.completions.create(model=MODEL, prompt="x", logprobs=21, stream=stream)
+        whole = api.chat.completions.create(**chat)  # type: ignore[call-overload]
+        chunks = list(api.chat.completions.create(**chat, stream=True))  # type: ignore[call-overload]
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert (
+            "".join(c.choices[0].delta.content or "" for c in chunks)
+            == whole.choices[0].message.content
+        )
+        assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+        comp = {"model": MODEL, "prompt": "What is an LLM?", "max_tokens": 5, "temperature": 0}
+        whole_c = api.completions.create(**comp)  # type: ignore[call-overload]
+        chunks_c = list(api.completions.create(**comp, stream=True))  # type: ignore[call-overload]
+        assert "".join(c.choices[0].text for c in chunks_c) == whole_c.choices[0].text
+        assert chunks_c[-1].choices[0].finish_reason == whole_c.choices[0].finish_reason
+        for kind, create, req in (("chat", api.chat.completions.create, chat),
+                                  ("completion", api.completions.create, comp)):  # fmt: skip
+            plain = list(create(**req, stream=True, stream_options={"include_usage": False}))  # type: ignore[operator]
+            assert all(c.usage is None for c in plain), kind
+            usage = list(create(**req, stream=True, stream_options={"include_usage": True}))  # type: ignore[operator]
+            assert all(c.usage is None for c in usage[:-1]), kind
+            last = usage[-1]
+            assert last.choices == [] and last.usage is not None, kind
+            u = last.usage
+            assert u.prompt_tokens > 0 and u.completion_tokens > 0
+            assert u.prompt_tokens + u.completion_tokens == u.total_tokens
+            with pytest.raises(openai.BadRequestError):
+                create(**req, stream=False, stream_options={"include_usage": True})  # type: ignore[operator]

@@ -76,7 +76,11 @@ class ChatRender:
             chunk = responses.chat_chunk(job, choice.index, ChatDelta(role="assistant"))
             if job.body.continuous_usage:
                 chunk.usage = responses.usage(job, [r.result for r in self._runs])
-            return [chunk]
+            if not job.chat_echo:
+                return [chunk]
+            echoed = responses.chat_chunk(job, choice.index, ChatDelta(content=job.chat_echo))
+            echoed.usage = chunk.usage
+            return [chunk, echoed]
         if not job.echo:
             return []
         offsets = responses.prompt_offsets(self._texts, choice.prompt)

@@ -65,9 +65,7 @@ _COMPLETION_ONLY: dict[str, _Rule] = {
     "tool_choice": _Rule(lambda v: v in (None, "none"), "tool calling is served by chat"),
     "parallel_tool_calls": _Rule(_any, ""),
 }
-_CHAT_ONLY: dict[str, _Rule] = {
-    "echo": _Rule(lambda v: v in (None, False), "echo is implemented for /v1/completions only"),
-}
+_CHAT_ONLY: dict[str, _Rule] = {}
 RULES: dict[str, dict[str, _Rule]] = {
     "completion": {**_COMMON, **_COMPLETION_ONLY},
     "chat": {**_COMMON, **_CHAT_ONLY},

@@ -9,12 +9,23 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from pdserve.errors import InvalidRequest
+from pdserve.router.api.responses import error_body
 
 M = TypeVar("M", bound=BaseModel)
 
 
 async def read_object(request: web.Request) -> dict[str, Any]:
-    """The body as a JSON object; InvalidRequest (code invalid_json) otherwise."""
+    """The body as a JSON object; InvalidRequest (code invalid_json) otherwise. A body sent as
+    another media type (a form, text) is a 415, as vLLM answers it; no Content-Type at all is
+    read as JSON."""
+    if "Content-Type" in request.headers and request.content_type != "application/json":
+        body = error_body(
+            f"unsupported media type {request.content_type!r}: send application/json",
+            code="unsupported_media_type",
+        )
+        raise web.HTTPUnsupportedMediaType(
+            text=body.model_dump_json(), content_type="application/json"
+        )
     raw = await request.read()
     # pydantic's JSON parser, not json.loads: it bounds nesting depth (json.loads raises
     # RecursionError), refuses invalid UTF-8, lone surrogate escapes ("\ud800": str values no

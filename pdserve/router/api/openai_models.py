@@ -216,6 +216,9 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     # Extension: the final (assistant) message is left open, and the model continues it.
     continue_final_message: bool = False
+    # Extension (vLLM's): each choice's content starts with the final message's text when that
+    # message has the answer's role (with add_generation_prompt false: always).
+    echo: bool = False
     tools: list[ToolDefinition] | None = None
     # Default: "auto" with tools, "none" without.
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

@@ -113,9 +113,10 @@ class RequestBuilder:
                 " false): the final message is either continued or answered",
                 "continue_final_message",
             )
+        dicts = message_dicts(body.messages)
         try:
             ids = self._tokenizer.encode_chat(
-                template_messages(message_dicts(body.messages)),
+                template_messages(dicts),
                 body.add_generation_prompt,
                 tools=[t.template_form() for t in tools.tools] if tools is not None else None,
                 continue_final_message=body.continue_final_message,
@@ -135,6 +136,7 @@ class RequestBuilder:
         self._check_context(prompt, max_tokens, "messages", limit)
         job = self._job("chat", "chatcmpl", body, [prompt], sampling, body.n, top, False, False)
         job.request_id = request_id or job.request_id
+        job.chat_echo = _chat_echo(body, dicts)
         if tools is not None and tools.parsed:
             job.tool_format = self._config.tool_format
         return job
@@ -339,6 +341,18 @@ class RequestBuilder:
             echo=echo,
             echo_only=echo_only,
         )
+
+
+def _chat_echo(body: ChatCompletionRequest, messages: Sequence[dict[str, Any]]) -> str:
+    """With `echo`, the text each chat choice starts with, as vLLM echoes it: the final
+    message's, if its role is the answer's ("assistant" with add_generation_prompt, else the
+    final message's own role, so always)."""
+    if not body.echo or not messages:
+        return ""
+    last = messages[-1]
+    role = "assistant" if body.add_generation_prompt else last.get("role")
+    content = last.get("content")
+    return content if last.get("role") == role and isinstance(content, str) else ""
 
 
 def message_dicts(chat: Sequence[ChatMessage]) -> list[dict[str, Any]]:

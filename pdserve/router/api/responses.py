@@ -70,6 +70,8 @@ class Job:
     # Completions: prepend the prompt to each choice; echo_only: and generate nothing.
     echo: bool = False
     echo_only: bool = False
+    # Chat with `echo`: the text each choice's content starts with (the final message's).
+    chat_echo: str = ""
     # Chat with tools (tool_choice not "none"): the output is read for calls in this format.
     tool_format: ToolFormat | None = None
 
@@ -256,7 +258,9 @@ def whole(job: Job, choices: Sequence[ChoiceResult], texts: TokenTexts) -> BaseM
             ChatChoice(
                 index=c.index,
                 message=ChatMessageOut(
-                    content=c.text if c.text or not c.tool_calls else None,
+                    content=job.chat_echo + c.text
+                    if job.chat_echo or c.text or not c.tool_calls
+                    else None,
                     tool_calls=c.tool_calls or None,
                 ),
                 finish_reason=c.finish_reason,

@@ -39,6 +39,8 @@ class TokenizeRequest(_Body):
     tools: list[ToolDefinition] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    # With messages: end the prompt inside the final message, for the model to continue it.
+    continue_final_message: bool = False
     return_token_strs: bool = False
 
 
@@ -91,12 +93,17 @@ class TokenizeApi:
             raise InvalidRequest("prompt: give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
             # The prompt /v1/chat/completions would build: tool calls, results and tools too.
+            if body.continue_final_message and body.add_generation_prompt:
+                raise InvalidRequest(
+                    "continue_final_message: cannot be true with add_generation_prompt (set it"
+                    " false): the final message is either continued or answered",
+                    "continue_final_message",
+                )
             messages = template_messages(message_dicts(body.messages))
             tools = [t.template_form() for t in function_tools(body.tools or [])]
-            extra = {"tools": tools} if tools else {}
             try:
-                text = self._tokenizer.apply_chat_template(
-                    messages, body.add_generation_prompt, **extra
+                text = self._tokenizer.render_chat(
+                    messages, body.add_generation_prompt, tools, body.continue_final_message
                 )
             except ModelConfigError as exc:
                 raise InvalidRequest(f"messages: {exc}", "messages") from exc
@@ -108,11 +115,12 @@ class TokenizeApi:
             ids = self._tokenizer.encode(body.prompt, add_special_tokens=add)
         strs = None
         if body.return_token_strs:
-            strs = [self._tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+            strs = self._tokenizer.token_strs(ids)
         out = TokenizeResponse(
             count=len(ids), max_model_len=self._max_model_len, tokens=ids, token_strs=strs
         )
-        return web.json_response(text=out.model_dump_json(exclude_none=True))
+        # `token_strs` is null unless asked for (present, as in vLLM's answer).
+        return web.json_response(text=out.model_dump_json())
 
     async def detokenize(self, request: web.Request) -> web.Response:
         """POST /detokenize."""

@@ -26,7 +26,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from aiohttp.test_utils import TestClient
@@ -161,9 +161,11 @@ async def _parse(request: Any, model: type[BaseModel]) -> BaseModel:
 
 @dataclass
 class RawRequest:
-    """What `_parse` reads from an aiohttp request: its body."""
+    """What `_parse` reads from an aiohttp request: its body (sent as JSON)."""
 
     body: bytes
+    headers: ClassVar[dict[str, str]] = {"Content-Type": "application/json"}
+    content_type = "application/json"
 
     async def read(self) -> bytes:
         return self.body

@@ -166,7 +166,7 @@ def test_chat_logprobs_through_the_disaggregated_handoff_and_a_migration(model: 
         ({"functions": [{"name": "f"}]}, False),
         ({"audio": {"voice": "x"}}, False),
         ({"modalities": ["text", "audio"]}, False),
-        ({"echo": True}, False),
+        ({"echo": True}, True),  # vLLM's chat echo (test_chat_echo.py)
         ({"mystery_field": 1}, False),
         ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, False),
     ],

@@ -287,7 +287,8 @@ def test_malformed_json_auth_and_models(model: Path, tokens: list[int]) -> None:
             resp = await client.post("/v1/completions", json=completion())
             assert resp.status == 401
             auth = {"Authorization": "Bearer sekret-key"}
-            resp = await client.post("/v1/completions", data=b"{nope", headers=auth)
+            raw = {**auth, "Content-Type": "application/json"}
+            resp = await client.post("/v1/completions", data=b"{nope", headers=raw)
             assert resp.status == 400
             assert (await resp.json())["error"]["code"] == "invalid_json"
             models = await (await client.get("/v1/models", headers=auth)).json()
