@@ -83,6 +83,9 @@ def launch_worker(
     log_path = workdir / f"{name}.log"
     args = [sys.executable, "-m", "pdserve.worker.main", "--role", role, "--host", "127.0.0.1"]
     args += ["--port", "0", "--kv-port", "0", "--ready-file", str(ready)]
+    # Stopped at once by default (a test's teardown stops workers that may still hold a
+    # paused peer's lease); the drain tests give their own --drain-timeout-s.
+    args += ["--drain-timeout-s", "0"]
     args += ["--model", str(model)] if model is not None else []
     args += list(extra_args)
     # One intra-op thread per worker: several workers share the test machine's cores.

@@ -3,10 +3,10 @@
 `Worker.drain` (on SIGTERM, or `POST /admin/drain`) runs these steps:
 1. **Say so, then refuse new work.** /health says `draining` at once, so routers choose the
    worker for nothing new; once a router has read it (the first /health answered while
-   draining, or `SEEN_WAIT_S` without one), /reserve, /prefill and /generate answer 503
-   `Draining` (retryable: a router that raced the flag goes to another worker). Calls already
-   admitted go on: a /decode for a reservation made before, a stream, a KV transfer, lease
-   renewals.
+   draining, or `SEEN_WAIT_S` without one; at once when it holds nothing), /reserve,
+   /prefill and /generate answer 503 `Draining` (retryable: a router that raced the flag goes
+   to another worker). Calls already admitted go on: a /decode for a reservation made before,
+   a stream, a KV transfer, lease renewals.
 2. **Leave the membership** then: a router that sees a draining worker leave lets its open
    calls finish instead of cutting them.
 3. **Finish.** Wait until nothing is held (`held`: requests in the engine, requests admitted

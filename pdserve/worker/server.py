@@ -36,7 +36,7 @@ from pdserve.transfer.sender import SendPolicy
 from pdserve.worker.checkpoint.prefix_source import PrefixCacheSource
 from pdserve.worker.checkpoint.routes import CheckpointService
 from pdserve.worker.config import WorkerConfig
-from pdserve.worker.drain import SEEN_WAIT_S, DrainReport, wait_until_idle
+from pdserve.worker.drain import SEEN_WAIT_S, DrainReport, held_total, wait_until_idle
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.http.app import WorkerAPI
 from pdserve.worker.kv import transports as kv_transports
@@ -215,9 +215,11 @@ class Worker:
         api.draining = True
         log.info("worker %s draining (up to %.1f s)", api.worker_id, timeout_s)
         # Routers learn it from /health before anything is refused (a refusal costs a router
-        # a retry), then the membership record goes.
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(api.drain_seen.wait(), SEEN_WAIT_S)
+        # a retry), then the membership record goes. A worker holding nothing has nothing to
+        # protect: it refuses and leaves at once (a request racing it is placed elsewhere).
+        if held_total(await self._held()) > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(api.drain_seen.wait(), SEEN_WAIT_S)
         api.refusing = True
         if self.registration is not None:
             await self.registration.stop()

@@ -1,6 +1,6 @@
 """`pdserve chaos` end to end: every fault scenario against real local clusters, real kills.
 
-One module-scoped run (a reference cluster, then a fresh cluster per scenario, three at a time;
+One module-scoped run (a reference cluster, then a fresh cluster per scenario, two at a time;
 processes stopped by PID) and one test per scenario asserting what a user would see: every request
 completes with exactly the fault-free tokens (none lost, none repeated), no block stays pinned
 one lease TTL later, nothing runs past its deadline, and the scenario's own facts (a worker
@@ -31,14 +31,14 @@ def results(
     tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, ScenarioResult]:
     workdir = tmp_path_factory.mktemp("chaos")
-    # Three scenarios at a time (each on its own cluster): most of a scenario is waiting, and
+    # Two scenarios at a time (each on its own cluster): most of a scenario is waiting, and
     # the latency bound here is loose anyway.
     config = ChaosConfig(
         scenarios=SCENARIOS,
         model=str(tiny_model_path),
         workdir=workdir,
         strict_latency=False,
-        concurrency=3,
+        concurrency=2,
     )
     found = asyncio.run(run_chaos_async(config))
     print(render_table(found))  # shown with -s, and in the failure report
