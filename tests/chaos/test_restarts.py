@@ -117,7 +117,12 @@ def test_prefill_and_decode_restarted_at_their_ports_mid_handoff_serve_every_req
         for handle in (prefill, decode):
             wait_ready(handle)
         with router_process(
-            tmp_path, tiny_model_path, [prefill.url, decode.url], extra_args=("--lease-ttl-s", "4")
+            tmp_path,
+            tiny_model_path,
+            [prefill.url, decode.url],
+            # Both workers are down while they restart: requests wait for them in the queue
+            # (its default 5 s is shorter than a restart on a loaded machine).
+            extra_args=("--lease-ttl-s", "4", "--queue-timeout-s", "60"),
         ) as url:
             references = [stream_tokens(url, body)[0] for body in bodies]
             results: dict[int, list[str] | BaseException] = {}
