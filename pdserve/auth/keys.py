@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import enum
 import hmac
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.auth.secret import read_file_or_env
 from pdserve.errors import ConfigError
 from pdserve.settings import Flag
 
@@ -75,16 +75,8 @@ def load_key(
     kind: KeyKind, path: Path | None = None, environ: Mapping[str, str] | None = None
 ) -> BearerKey | None:
     """The key of `kind` from `path`, else from its environment variable; None if neither."""
-    if path is not None:
-        try:
-            text = path.read_text()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{kind.file_flag[2:]}: cannot read {path}: {exc}") from None
-        return BearerKey(text.strip(), kind, f"file {path}")
-    value = (os.environ if environ is None else environ).get(kind.value)
-    if value is None:
-        return None
-    return BearerKey(value.strip(), kind, f"environment {kind.value}")
+    found = read_file_or_env(path, kind.value, kind.file_flag[2:], environ)
+    return None if found is None else BearerKey(found[0], kind, found[1])
 
 
 def _file_flag(kind: KeyKind) -> Flag:

@@ -54,16 +54,24 @@ def load_secret(
     path: Path | None = None, environ: Mapping[str, str] | None = None
 ) -> ClusterSecret | None:
     """The configured secret, or None when neither the file nor the variable is given."""
+    found = read_file_or_env(path, ENV_VAR, "cluster-secret-file", environ)
+    return None if found is None else ClusterSecret(found[0].encode(), found[1])
+
+
+def read_file_or_env(
+    path: Path | None, env_var: str, flag: str, environ: Mapping[str, str] | None = None
+) -> tuple[str, str] | None:
+    """A credential's text (white space stripped) and where it came from ("file PATH",
+    "environment VAR"): the file when `path` is given, else the variable; None if neither.
+    An unreadable file is a ConfigError naming `flag`."""
     if path is not None:
         try:
             text = path.read_text()
-        except OSError as exc:
-            raise ConfigError(f"cluster-secret-file: cannot read {path}: {exc}") from None
-        return ClusterSecret(text.strip().encode(), f"file {path}")
-    value = (os.environ if environ is None else environ).get(ENV_VAR)
-    if value is None:
-        return None
-    return ClusterSecret(value.strip().encode(), f"environment {ENV_VAR}")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{flag}: cannot read {path}: {exc}") from None
+        return text.strip(), f"file {path}"
+    value = (os.environ if environ is None else environ).get(env_var)
+    return None if value is None else (value.strip(), f"environment {env_var}")
 
 
 # `--cluster-secret-file PATH`, declared once for the router's and the worker's configs (each

@@ -236,8 +236,8 @@ class AffinityPolicy:
         query: RouteQuery,
         exclude: Collection[str] = (),
     ) -> WorkerView | None:
-        """The prefill worker for `decode`: same digest, never `decode` itself."""
-        views = self.revision_views(views, query)
+        """The prefill worker for `decode`: same digest (so the decode worker's revision),
+        never `decode` itself."""
         routing = self.config.routing
         if routing == "load" or decode.health is None:
             return policy.pick_prefill(views, decode, exclude)
