@@ -69,13 +69,17 @@ test:
 	$(MAKE) -j4 --output-sync=target install system-deps client-venvs
 	$(PY) -m ruff check pdserve pdlab tests benchmarks
 	$(PY) -m ruff format --check pdserve pdlab tests benchmarks
-	# mypy runs beside the unit tests (both pure CPU on a 2-core machine; the tests that time
-	# real processes come after them). The outside-client tests must run here, not skip for
-	# want of their venvs.
+	# Two pytest runs side by side (each test suite spends most of its time waiting on the
+	# processes it starts; names, ports and namespaces carry each run's pid): the chaos suite,
+	# its report printed after it ends, beside mypy, the unit, integration and outside-client
+	# tests. The outside-client tests must run here, not skip for want of their venvs.
 	$(PY) -m mypy & mypy=$$!; \
-	PDSERVE_REQUIRE_CLIENTS=1 $(PY) -m pytest -q --durations=20 \
-		tests/unit tests/integration tests/clients tests/chaos; status=$$?; \
-	wait $$mypy && exit $$status
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests/chaos > .chaos-tests.log 2>&1 & \
+	chaos=$$!; \
+	PDSERVE_REQUIRE_CLIENTS=1 $(PY) -m pytest -q -p no:cacheprovider --durations=15 \
+		tests/unit tests/integration tests/clients; status=$$?; \
+	wait $$chaos; chaos_status=$$?; cat .chaos-tests.log; \
+	wait $$mypy && test $$status -eq 0 && test $$chaos_status -eq 0
 
 # The GPU check (`pdserve bench gpu-check`: parity, engine speed at batch 1/32/128 and a
 # disaggregated run on one GPU, < 8 min on an H200), run with the machine's own CUDA torch and
