@@ -12,6 +12,7 @@ The official `openai` client sees the same streamed chat across a checkpointed r
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -108,15 +109,15 @@ def busy_decoder(router_url: str, decodes: list[WorkerHandle]) -> WorkerHandle |
     return next((h for h in decodes if h.url in busy), None)
 
 
-def after_a_checkpoint(victim: WorkerHandle, signum: int) -> None:
-    """Send `signum` to the decoder right after its next checkpoint put completed: the
-    request is then at most one block ahead of its checkpoint (a kill during a put would
+def after_a_checkpoint(victim: WorkerHandle, signum: int, puts: int = 1) -> None:
+    """Send `signum` to the decoder right after its `puts`-th next checkpoint put completed:
+    the request is then at most one block ahead of its checkpoint (a kill during a put would
     lose that put's block too, a tokens-per-put race the test must not depend on)."""
     name = "pdserve_worker_checkpoint_put_blocks_total"
     before = metrics(victim.url).get(name, 0)
-    deadline = time.monotonic() + 5
-    while metrics(victim.url).get(name, 0) == before:
-        assert time.monotonic() < deadline, "no checkpoint put in 5 s"
+    deadline = time.monotonic() + 5 * puts
+    while metrics(victim.url).get(name, 0) < before + puts:
+        assert time.monotonic() < deadline, f"fewer than {puts} checkpoint puts in {5 * puts} s"
         time.sleep(0.002)
     os.kill(victim.pid, signum)
 
@@ -457,9 +458,9 @@ def test_a_tool_call_cut_mid_arguments_resumes_from_its_checkpoint(
         "stream_options": {"include_usage": True},
     }
 
-    def call(on_chunk: object = None) -> tuple[str, str, str | None, int]:
+    def call() -> tuple[str, str, str | None, int]:
         name, arguments, finish, tokens = "", "", None, 0
-        for n, chunk in enumerate(api.chat.completions.create(**kwargs), 1):
+        for chunk in api.chat.completions.create(**kwargs):
             for c in chunk.choices:
                 for piece in c.delta.tool_calls or []:
                     name += piece.function.name or ""
@@ -467,25 +468,32 @@ def test_a_tool_call_cut_mid_arguments_resumes_from_its_checkpoint(
                 finish = c.finish_reason or finish
             if chunk.usage is not None:
                 tokens = chunk.usage.completion_tokens
-            if callable(on_chunk):
-                on_chunk(n)
         return name, arguments, finish, tokens
 
     reference = call()
     assert reference[0] == "log" and reference[2] == "tool_calls"
     assert 400 <= len(json.loads(reference[1])["note"]) <= 420
+    # The call is long enough for the watcher below to see two puts inside the note.
+    assert reference[3] >= 4 * BLOCK_SIZE, reference[3]
     killed: list[WorkerHandle] = []
 
-    def kill(num_chunks: int) -> None:
-        # Chunks come once the call's name is known: chunk 40 is well inside the note.
-        if num_chunks == 40 and not killed:
-            victim = busy_decoder(url, decodes)
-            if victim is not None:
-                after_a_checkpoint(victim, signal.SIGKILL)
-                victim.proc.wait(5)
-                killed.append(victim)
+    def kill() -> None:
+        # Watched on the worker, beside the client rather than inside its reading: on a
+        # loaded machine the client reads far behind the decoder, which may have finished
+        # the call by the time the client sees any given chunk. Two puts past the start of
+        # the stream are at most 3 blocks in, inside the note.
+        deadline = time.monotonic() + 30
+        while (victim := busy_decoder(url, decodes)) is None:
+            assert time.monotonic() < deadline, "no decode worker took the stream"
+            time.sleep(0.002)
+        after_a_checkpoint(victim, signal.SIGKILL, puts=2)
+        victim.proc.wait(5)
+        killed.append(victim)
 
-    outcome = call(kill)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        watcher = pool.submit(kill)
+        outcome = call()
+        watcher.result()
     assert killed, "no decode worker had the stream when the kill was due"
     assert outcome == reference
     recomputed = resumed_from_checkpoint(handles, killed[0])
