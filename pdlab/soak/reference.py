@@ -28,7 +28,6 @@ from pathlib import Path
 from pdlab.soak.plan import Api, PlannedRequest, malformed_case
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.protocol.sampling import SamplingParams
-from pdserve.protocol.worker_api import SamplingModel
 from pdserve.text.output import OutputStream
 
 PATHS = {Api.COMPLETIONS: "/v1/completions", Api.CHAT: "/v1/chat/completions"}
@@ -148,7 +147,7 @@ def _next_turn(r: PlannedRequest, before: _Conversation | None) -> _Conversation
 
 def _text(tokenizer: Tokenizer, r: PlannedRequest, tokens: Sequence[int]) -> str:
     """The text the router sends for `tokens` (its own output rules)."""
-    sampling = SamplingModel.from_params(_params(r))
+    sampling = _params(r)
     output = OutputStream(tokenizer, sampling, tokenizer.eos_token_ids)
     text = output.add_all(list(tokens))
     if not output.finished:

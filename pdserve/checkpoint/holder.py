@@ -61,6 +61,19 @@ class BlockKey:
 
 
 @dataclass(frozen=True, slots=True)
+class BlockRun:
+    """Full blocks to put for an owner: they continue the chain after `parent_hash` (0: the
+    request's first block), and the first of them covers `first_version` tokens."""
+
+    owner: str
+    # The digest of the engine that computed them (a read from another engine is refused).
+    fingerprint: str
+    parent_hash: int
+    first_version: int
+    block_tokens: Sequence[Sequence[int]]
+
+
+@dataclass(frozen=True, slots=True)
 class PrefixHit:
     """What a lookup found: the longest held prefix of the asked hashes."""
 
@@ -85,16 +98,9 @@ class PendingPut(Protocol):
 class CheckpointHolder(Protocol):
     """Put blocks by chained hash under an owner's lease; get the longest present prefix."""
 
-    def begin_put(
-        self,
-        owner: str,
-        fingerprint: str,
-        parent_hash: int,
-        first_version: int,
-        block_tokens: Sequence[Sequence[int]],
-    ) -> PendingPut:
-        """Room for the blocks after `parent_hash` (0: the first block); CheckpointRefused
-        (full, chain, version) before any byte travels."""
+    def begin_put(self, run: BlockRun) -> PendingPut:
+        """Room for the run's blocks; CheckpointRefused (full, chain, version) before any byte
+        travels."""
         ...
 
     def commit(self, pending: PendingPut) -> int:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from pdserve.checkpoint.holder import BlockKey, PrefixHit, Refusal
+from pdserve.checkpoint.holder import BlockKey, BlockRun, PrefixHit, Refusal
 from pdserve.engine.block_manager import hash_block_tokens
 from pdserve.errors import CheckpointRefused, ConfigError
 
@@ -101,15 +101,10 @@ class HostTier:
         self.refused[reason.value] += 1
         return CheckpointRefused(reason.value, message)
 
-    def begin_put(
-        self,
-        owner: str,
-        fingerprint: str,
-        parent_hash: int,
-        first_version: int,
-        block_tokens: Sequence[Sequence[int]],
-    ) -> HostPut:
+    def begin_put(self, run: BlockRun) -> HostPut:
         """`CheckpointHolder.begin_put` in host memory: the blocks' room is allocated here."""
+        owner, fingerprint, parent_hash = run.owner, run.fingerprint, run.parent_hash
+        first_version, block_tokens = run.first_version, run.block_tokens
         bs = self.block_size
         where = f"checkpoint put of {owner}"
         if first_version < bs or first_version % bs or not block_tokens:

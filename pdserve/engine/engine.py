@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import secrets
+from typing import Unpack
 
 import torch
 
@@ -32,7 +33,7 @@ from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.kv_staging import KVStaging
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import EngineStats, RequestDelta
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.request import Request, RequestStatus, StartOptions
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.step_stats import StepFacts, StepTotals, count_tokens, is_decode_slice
 from pdserve.errors import ConfigError, PromptTooLong, RequestNotFound, SamplingParamsError
@@ -156,8 +157,7 @@ class Engine:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        hold_kv: bool = False,
-        output_token_ids: list[int] | None = None,
+        **start: Unpack[StartOptions],
     ) -> Request:
         """Queue a request; with `hold_kv` its blocks outlive it until `release`.
 
@@ -166,6 +166,7 @@ class Engine:
         so greedy and seeded output equal an uninterrupted run.
         """
         request = self._new_request(request_id, prompt_token_ids, params)
+        output_token_ids = start.get("output_token_ids")
         if output_token_ids:
             vocab = self.model.config.vocab_size
             bad = [t for t in output_token_ids if not 0 <= t < vocab]
@@ -183,7 +184,7 @@ class Engine:
         request.collects_prompt_logprobs = (
             params.prompt_logprobs is not None and not output_token_ids
         )
-        request.hold_kv = hold_kv
+        request.hold_kv = start.get("hold_kv", False)
         self.scheduler.add(request)
         return request
 

@@ -18,10 +18,21 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 from pdserve.engine.grammar import GrammarState
 from pdserve.protocol.logprobs import TokenLogprobs
 from pdserve.protocol.sampling import SamplingParams
+
+
+class StartOptions(TypedDict, total=False):
+    """How a request starts, beyond its prompt and sampling (both default off)."""
+
+    # Its blocks outlive it until `Engine.release` (a prefill result awaiting its transfer).
+    hold_kv: bool
+    # Tokens another engine already produced (a migration): recomputed like the prompt, and
+    # sampling continues at the next token index.
+    output_token_ids: list[int] | None
 
 
 class RequestStatus(enum.Enum):

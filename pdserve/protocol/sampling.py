@@ -3,7 +3,7 @@
 Field names, defaults and ranges follow vLLM's `SamplingParams` (and the OpenAI API where it
 has the field) so that users moving from vLLM or the OpenAI API find what they expect;
 `temperature == 0` means greedy. What each parameter does to the logits, and in which order,
-is `engine.logits_processing`; what travels on the wire is `worker.protocol.SamplingModel`.
+is `engine.logits_processing`; the worker protocol's models carry it as it is (pydantic validates the dataclass).
 Checks that need the vocabulary (token ids in `logit_bias`) happen when the engine admits
 the request.
 """
@@ -14,6 +14,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from pydantic import ConfigDict
+
 from pdserve.errors import SamplingParamsError
 
 # Most top logprobs a request may ask for per token (vLLM's default `max_logprobs`, and the
@@ -23,6 +25,8 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
 # Seeds are unsigned 64-bit integers (`sampler.draw_key` packs them into 8 bytes).
 MAX_SEED = 1 << 64
+# As the worker protocol's models: unknown fields, NaN and infinities refused (a 400 naming them).
+_WIRE = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class GrammarKind(enum.Enum):
@@ -40,6 +44,8 @@ class GrammarKind(enum.Enum):
 class GrammarSpec:
     """A constraint on the whole output: every token must keep it a valid prefix."""
 
+    __pydantic_config__ = _WIRE
+
     kind: GrammarKind
     # The schema as JSON text, the regex, the JSON list of choices, or the grammar text.
     source: str
@@ -47,7 +53,13 @@ class GrammarSpec:
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How to pick each next token and when to stop."""
+    """How to pick each next token and when to stop.
+
+    Everything that shapes a token is here and travels as it is in the worker protocol, so a
+    prefill worker, the decode worker that continues after the KV handoff and any worker a
+    migration lands on sample alike."""
+
+    __pydantic_config__ = _WIRE
 
     max_tokens: int = 16
     # 0 is greedy; otherwise logits are divided by it before sampling.

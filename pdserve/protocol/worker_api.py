@@ -35,13 +35,13 @@ cannot leave work running on a worker forever.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pdserve.protocol.checkpoint_policy import CheckpointPolicy
 from pdserve.protocol.logprobs import TokenLogprobs
-from pdserve.protocol.sampling import GrammarKind, GrammarSpec, SamplingParams
+from pdserve.protocol.sampling import SamplingParams
 
 Role = Literal["prefill", "decode", "both"]
 Transport = Literal["nixl", "shm", "tcp"]
@@ -70,68 +70,6 @@ class WireModel(BaseModel):
     # NaN and infinities are not JSON: a duration of Infinity would reach a lease or a
     # deadline that cannot take it, so they are refused with the field named (400).
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-
-class GrammarModel(WireModel):
-    """Wire form of `GrammarSpec`: a structured-output constraint."""
-
-    kind: Literal["json_schema", "regex", "choice", "grammar"]
-    source: str
-
-
-class SamplingModel(WireModel):
-    """Wire form of `SamplingParams` (validated again when converted).
-
-    Everything that shapes a token travels here, so a prefill worker, the decode worker that
-    continues after the KV handoff and any worker a migration lands on sample alike.
-    """
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: list[str] = Field(default_factory=list)
-    stop_token_ids: list[int] = Field(default_factory=list)
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    # [token id, bias] pairs.
-    logit_bias: list[tuple[int, float]] = Field(default_factory=list)
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    grammar: GrammarModel | None = None
-
-    def to_params(self) -> SamplingParams:
-        """The engine's params; raises SamplingParamsError naming a bad field."""
-        # Lists on the wire, tuples in the frozen dataclass.
-        fields: dict[str, Any] = {
-            k: tuple(v) if isinstance(v, list) else v
-            for k, v in self.model_dump(exclude={"grammar"}).items()
-        }
-        grammar = self.grammar
-        return SamplingParams(
-            **fields,
-            grammar=None
-            if grammar is None
-            else GrammarSpec(GrammarKind(grammar.kind), grammar.source),
-        )
-
-    @classmethod
-    def from_params(cls, params: SamplingParams) -> SamplingModel:
-        """The wire form of the engine's params."""
-        fields: dict[str, Any] = {}
-        for name in cls.model_fields:
-            value = getattr(params, name)
-            fields[name] = list(value) if isinstance(value, tuple) else value
-        grammar = params.grammar
-        fields["grammar"] = (
-            None if grammar is None else {"kind": grammar.kind.value, "source": grammar.source}
-        )
-        return cls.model_validate(fields)
 
 
 class LogprobModel(WireModel):
@@ -222,7 +160,7 @@ class ReserveRequest(WireModel):
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling: SamplingModel
+    sampling: SamplingParams
     # The reservation (and its blocks) is freed when no KV byte arrives (and no renewal comes)
     # for this long: liveness, not total duration, decides.
     lease_ttl_s: float = Field(default=30.0, gt=0, le=MAX_LEASE_TTL_S)
@@ -275,7 +213,7 @@ class PrefillRequest(WireModel):
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling: SamplingModel
+    sampling: SamplingParams
     # None: prefill only, nothing to transfer (the KV is released at once). Its `decode_url`
     # is told at once (POST /kv_abort) when the send is given up, so its /decode fails now
     # instead of when the reservation's lease ends.
@@ -373,7 +311,7 @@ class GenerateRequest(WireModel):
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling: SamplingModel
+    sampling: SamplingParams
     # Tokens already sent to the client by a worker that died: generation resumes after them
     # (migration). The stream carries only the tokens that follow.
     output_token_ids: list[int] = Field(default_factory=list)

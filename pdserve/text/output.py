@@ -23,7 +23,7 @@ from pdserve.text.stop import StopMatcher
 
 
 class StopRules(Protocol):
-    """What ends a request's output: `SamplingParams` and its wire form `SamplingModel`."""
+    """What ends a request's output: `SamplingParams`."""
 
     @property
     def stop(self) -> Sequence[str]: ...

@@ -10,7 +10,7 @@ per connection and then one frame and one reply per put:
     READY ─put()→ READY (reply owed)         READY ─check_put(Put)→ READY ─ack()/nack()→ READY
     READY ─receive_reply(Ack|Nack)→ READY    any failed check → FAILED (the caller closes)
 
-Authentication, with a cluster key: the writer's Hello carries `hello_mac` over its random link
+Authentication, with a cluster key: the writer's Hello carries `handshake.mac` over its random link
 id, as any Hello; the holder answers with a Hello in the envelope of its own fresh nonce, whose
 MAC covers both the link id and that nonce (the writer knows the answer is fresh). Both then
 derive the link key from the two, and every Put carries an HMAC under it over its sequence
@@ -47,6 +47,7 @@ from pdserve.errors import (
     Unauthenticated,
     UnsupportedVersion,
 )
+from pdserve.transfer import handshake
 from pdserve.transfer.codec import Envelope, FrameHeader
 from pdserve.transfer.messages import (
     PROTOCOL_VERSION,
@@ -66,7 +67,6 @@ from pdserve.transfer.session import (
     FingerprintMap,
     Outbound,
     fingerprint_diff,
-    hello_mac,
 )
 from pdserve.transfer.wire import encode_fingerprint
 
@@ -160,15 +160,10 @@ class _Link:
             )
         self._recv_seq += 1
 
-    def _check_hello(self, hello: Hello, want_mac: bytes, peer: str) -> None:
-        """The peer's Hello: its MAC (with a cluster key), protocol version, fingerprint."""
-        if self._key is not None and not hmac.compare_digest(want_mac, hello.auth):
-            self._fail(Unauthenticated(f"{self._who}: {peer}'s Hello has no valid MAC"))
-        if hello.protocol_version != PROTOCOL_VERSION:
-            self._fail(UnsupportedVersion(f"{self._who}: {peer} speaks {hello.protocol_version}"))
-        diff = self._compare(self._fingerprint, hello.fingerprint)
-        if diff:
-            self._fail(FingerprintMismatch(diff, context=self._who))
+    def _check_hello(self, hello: Hello, want_mac: bytes) -> None:
+        problem = handshake.problem(hello, want_mac, self._fingerprint, self._compare, self._who)
+        if problem is not None:
+            self._fail(problem[1])
 
     def _fail(self, error: PdserveError) -> NoReturn:
         self.state = LinkState.FAILED
@@ -194,8 +189,9 @@ class LinkWriter(_Link):
     def hello(self) -> Outbound:
         """Open the link (this side's fingerprint and, with a cluster key, its MAC)."""
         self._require(LinkState.IDLE)
-        auth = hello_mac(self._key, Role.REPLICA, self.link_id, _ATTEMPT, self._fingerprint)
-        hello = Hello(PROTOCOL_VERSION, Role.REPLICA, self._fingerprint, auth)
+        hello = handshake.own_hello(
+            self._key, Role.REPLICA, self.link_id, _ATTEMPT, self._fingerprint
+        )
         out = Outbound(self._envelope(self.link_id), hello)
         self.state = LinkState.HELLO_SENT
         return out
@@ -214,7 +210,7 @@ class LinkWriter(_Link):
             self._fail(ProtocolError(f"{self._who}: {type(message).__name__} before Hello"))
         nonce = header.transfer_id
         want = holder_hello_mac(self._key, message.role, self.link_id, nonce, message.fingerprint)
-        self._check_hello(message, want, "holder")
+        self._check_hello(message, want)
         self._put_key = link_key(self._key, self.link_id, nonce)
         self.state = LinkState.READY
 
@@ -293,10 +289,7 @@ class LinkHolder(_Link):
     def _check_writer(self, header: FrameHeader, hello: Hello) -> None:
         if hello.role is not Role.REPLICA:
             self._fail(ProtocolError(f"{self._who}: Hello from a {hello.role.name}, not a link"))
-        want = hello_mac(
-            self._key, hello.role, header.transfer_id, header.attempt, hello.fingerprint
-        )
-        self._check_hello(hello, want, "writer")
+        self._check_hello(hello, handshake.peer_mac(self._key, header, hello))
 
     def check_put(self, header: FrameHeader, put: Put) -> None:
         """Sequence and MAC of one Put (its data is checked against `header.data_checksum`

@@ -169,7 +169,7 @@ class Hello:
     role: Role
     # Normalised to a read-only mapping; compared field by field at the handshake.
     fingerprint: Mapping[str, FingerprintValue]
-    # `hello_mac` of this Hello under the cluster secret (b"" when the cluster has none).
+    # `handshake.mac` of this Hello under the cluster secret (b"" when the cluster has none).
     auth: bytes = b""
 
     TYPE: ClassVar[MsgType] = MsgType.HELLO

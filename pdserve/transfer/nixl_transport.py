@@ -33,14 +33,13 @@ import os
 import secrets
 import struct
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from pdserve.errors import BadMagic, PeerClosed, ProtocolError, TransferError, UnsupportedVersion
-from pdserve.transfer.slot_stream import Announce, SlotStream
+from pdserve.transfer.slot_stream import SlotStream, SlotWrite
 from pdserve.transfer.stream import ByteStream
 from pdserve.transfer.tcp import Upgraded
 
@@ -144,22 +143,16 @@ class _NixlWriter:
         self._peer_inbox = peer_inbox
         self._peer_slot_bytes = peer_slot_bytes
 
-    async def write(
-        self,
-        slot: int,
-        views: list[memoryview],
-        peer_gone: Callable[[], bool],
-        announce: Announce,
-    ) -> None:
+    async def write(self, job: SlotWrite) -> None:
         agent = self._endpoint.agent
         assert self._endpoint.peer_name is not None
-        spans = [(_address(v), v.nbytes) for v in views]
+        spans = [(_address(v), v.nbytes) for v in job.views]
         try:
             reg = agent.register_memory([(a, n, 0, "") for a, n in spans], "DRAM")
         except Exception as exc:
             raise _transfer_error("register", exc) from exc
         try:
-            remote, offset = [], self._peer_inbox + slot * self._peer_slot_bytes
+            remote, offset = [], self._peer_inbox + job.slot * self._peer_slot_bytes
             for _, n in spans:
                 remote.append((offset, n, 0))
                 offset += n
@@ -169,7 +162,7 @@ class _NixlWriter:
                 "WRITE", local_descs, remote_descs, self._endpoint.peer_name
             )
             try:
-                await self._wait_done(handle, agent.transfer(handle), peer_gone, announce)
+                await self._wait_done(handle, agent.transfer(handle), job)
             finally:
                 with contextlib.suppress(Exception):  # an aborted WRITE may refuse release
                     handle.release()
@@ -181,9 +174,7 @@ class _NixlWriter:
             with contextlib.suppress(Exception):
                 agent.deregister_memory(reg)
 
-    async def _wait_done(
-        self, handle: Any, state: str, peer_gone: Callable[[], bool], announce: Announce
-    ) -> None:
+    async def _wait_done(self, handle: Any, state: str, job: SlotWrite) -> None:
         agent = self._endpoint.agent
         spin_until = time.monotonic() + _SPIN_S
         try:
@@ -191,9 +182,9 @@ class _NixlWriter:
                 # Not complete on return (UCX emulating RMA over TCP needs the target to drive
                 # it): ask the peer to progress until our DATA. A cma or RDMA write is done
                 # here already, and the peer is never woken for it.
-                await announce()
+                await job.announce()
             while state == "PROC":
-                if peer_gone():
+                if job.peer_gone():
                     # Nobody will complete it (the peer's worker may be the one to progress).
                     raise PeerClosed(f"nixl write to {self._endpoint.peer_name}: peer closed")
                 await asyncio.sleep(0 if time.monotonic() < spin_until else _SLOW_POLL_S)
@@ -202,7 +193,7 @@ class _NixlWriter:
             # The WRITE reads the caller's memory: it must be over before the caller regains
             # it, so wait (bounded, still yielding: the target may be in this event loop).
             deadline = time.monotonic() + _DRAIN_S
-            while state == "PROC" and not peer_gone() and time.monotonic() < deadline:
+            while state == "PROC" and not job.peer_gone() and time.monotonic() < deadline:
                 await asyncio.sleep(_SLOW_POLL_S)
                 state = agent.check_xfer_state(handle)
             raise

@@ -40,20 +40,17 @@ from typing import NoReturn
 
 from pdserve.errors import (
     ChecksumMismatch,
-    FingerprintMismatch,
     LeaseError,
     PdserveError,
     ProtocolError,
     StaleAttempt,
     StaleLease,
-    Unauthenticated,
     Unauthorized,
-    UnsupportedVersion,
 )
+from pdserve.transfer import handshake
 from pdserve.transfer.codec import Envelope, FrameHeader
 from pdserve.transfer.messages import (
     NACK_RETRYABLE,
-    PROTOCOL_VERSION,
     Abort,
     Ack,
     AckOf,
@@ -74,7 +71,6 @@ from pdserve.transfer.session import (
     FingerprintMap,
     Outbound,
     fingerprint_diff,
-    hello_mac,
     transition,
 )
 
@@ -240,26 +236,14 @@ class ReceiverSession:
     # ---- per-message checks ------------------------------------------------------------------
 
     def _on_hello(self, header: FrameHeader, hello: Hello) -> None:
-        # The credential first: a peer outside the cluster learns nothing about this build.
-        if self._key is not None:
-            want = hello_mac(
-                self._key, hello.role, header.transfer_id, header.attempt, hello.fingerprint
-            )
-            if not hmac.compare_digest(want, hello.auth):
-                text = "Hello carries no valid MAC under the cluster secret"
-                self._refuse(NackCode.UNAUTHENTICATED, Unauthenticated, text)
-        if hello.protocol_version != PROTOCOL_VERSION:
-            text = f"peer speaks {hello.protocol_version}, this build {PROTOCOL_VERSION}"
-            self._refuse(NackCode.VERSION_MISMATCH, UnsupportedVersion, text)
-        diff = self._compare(self._fingerprint, hello.fingerprint)
-        if diff:
-            self._reject(NackCode.FINGERPRINT_MISMATCH, FingerprintMismatch(diff, self._who))
-        auth = hello_mac(
+        want = handshake.peer_mac(self._key, header, hello)
+        problem = handshake.problem(hello, want, self._fingerprint, self._compare, self._who)
+        if problem is not None:
+            self._reject(*problem)
+        own = handshake.own_hello(
             self._key, self._role, self.plan.transfer_id, self.attempt, self._fingerprint
         )
-        self._outbox.append(
-            self._reply(Hello(PROTOCOL_VERSION, self._role, self._fingerprint, auth))
-        )
+        self._outbox.append(self._reply(own))
 
     def _on_begin(self, begin: Begin) -> None:
         # The token first: an unauthorised peer learns nothing about the plan.

@@ -22,44 +22,18 @@ It knows messages, envelopes and byte offsets; not sockets, KV memory, leases or
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Mapping
 from enum import Enum, auto
 from typing import NoReturn
 
 from pdserve.errors import (
-    FingerprintMismatch,
     IllegalTransition,
     ProtocolError,
     StaleAttempt,
     TransferRefused,
-    Unauthenticated,
-    UnsupportedVersion,
 )
+from pdserve.transfer import handshake, messages, session
 from pdserve.transfer.codec import Envelope, FrameHeader
-from pdserve.transfer.messages import (
-    PROTOCOL_VERSION,
-    Abort,
-    Ack,
-    AckOf,
-    Begin,
-    Chunk,
-    Commit,
-    Hello,
-    Message,
-    Nack,
-    Renew,
-    Role,
-)
-from pdserve.transfer.session import (
-    ChunkLedger,
-    FingerprintCompare,
-    FingerprintMap,
-    Outbound,
-    fingerprint_diff,
-    hello_mac,
-    transition,
-)
 
 
 class SenderState(Enum):
@@ -125,9 +99,9 @@ SENDER_TRANSITIONS: Mapping[tuple[SenderState, SenderEvent], SenderState] = {
 }
 
 _REPLY_EVENTS = {
-    AckOf.BEGIN: _E.RECV_ACK_BEGIN,
-    AckOf.COMMIT: _E.RECV_ACK_COMMIT,
-    AckOf.RENEW: _E.RECV_ACK_RENEW,
+    messages.AckOf.BEGIN: _E.RECV_ACK_BEGIN,
+    messages.AckOf.COMMIT: _E.RECV_ACK_COMMIT,
+    messages.AckOf.RENEW: _E.RECV_ACK_RENEW,
 }
 
 
@@ -137,11 +111,11 @@ class SenderSession:
     def __init__(
         self,
         transfer_id: bytes,
-        fingerprint: FingerprintMap,
+        fingerprint: session.FingerprintMap,
         *,
-        role: Role = Role.PREFILL,
+        role: messages.Role = messages.Role.PREFILL,
         attempt: int = 1,
-        compare: FingerprintCompare = fingerprint_diff,
+        compare: session.FingerprintCompare = session.fingerprint_diff,
         cluster_key: bytes | None = None,
     ) -> None:
         self.transfer_id = transfer_id
@@ -153,26 +127,26 @@ class SenderSession:
         self.attempt = attempt
         self._send_seq = 0
         self._recv_seq = 0
-        self._ledger: ChunkLedger | None = None
+        self._ledger: session.ChunkLedger | None = None
 
     # ---- outgoing: each returns what to frame and send -------------------------------------
 
-    def send_hello(self) -> Outbound:
+    def send_hello(self) -> session.Outbound:
         """Open the attempt with this side's fingerprint (and MAC, with a cluster key)."""
-        auth = hello_mac(self._key, self._role, self.transfer_id, self.attempt, self._fingerprint)
-        return self._send(
-            _E.SEND_HELLO, Hello(PROTOCOL_VERSION, self._role, self._fingerprint, auth)
+        own = handshake.own_hello(
+            self._key, self._role, self.transfer_id, self.attempt, self._fingerprint
         )
+        return self._send(_E.SEND_HELLO, own)
 
-    def send_begin(self, begin: Begin) -> Outbound:
+    def send_begin(self, begin: messages.Begin) -> session.Outbound:
         """Announce the transfer (its layout bounds every later chunk)."""
         self._check(_E.SEND_BEGIN)
         if begin.transfer_id != self.transfer_id:
             raise ValueError("Begin.transfer_id differs from the session's")
-        self._ledger = ChunkLedger(begin.layout)
+        self._ledger = session.ChunkLedger(begin.layout)
         return self._send(_E.SEND_BEGIN, begin)
 
-    def send_chunk(self, chunk: Chunk) -> Outbound:
+    def send_chunk(self, chunk: messages.Chunk) -> session.Outbound:
         """Send blocks `[chunk.first_block, +num_blocks)`; ValueError if out of range/overlapping."""
         self._check(_E.SEND_CHUNK)
         ledger = self._require_ledger()
@@ -182,34 +156,34 @@ class SenderSession:
         ledger.add(chunk)
         return self._send(_E.SEND_CHUNK, chunk)
 
-    def send_commit(self, value_digest: bytes = b"") -> Outbound:
+    def send_commit(self, value_digest: bytes = b"") -> session.Outbound:
         """Close the data (with the KV's value digest, if any); ValueError unless every byte
         of the transfer was sent."""
         self._check(_E.SEND_COMMIT)
         ledger = self._require_ledger()
         if not ledger.complete:
             raise ValueError(f"commit before every byte was sent ({ledger.num_bytes} bytes)")
-        commit = Commit(ledger.digest(), ledger.num_chunks, ledger.num_bytes, value_digest)
+        commit = messages.Commit(ledger.digest(), ledger.num_chunks, ledger.num_bytes, value_digest)
         return self._send(_E.SEND_COMMIT, commit)
 
-    def send_renew(self, lease_id: int, epoch: int, ttl: float) -> Outbound:
+    def send_renew(self, lease_id: int, epoch: int, ttl: float) -> session.Outbound:
         """Ask the receiver to extend its reservation lease by `ttl` seconds."""
-        return self._send(_E.SEND_RENEW, Renew(lease_id, epoch, ttl))
+        return self._send(_E.SEND_RENEW, messages.Renew(lease_id, epoch, ttl))
 
-    def send_abort(self, reason: str) -> Outbound:
+    def send_abort(self, reason: str) -> session.Outbound:
         """Give the transfer up for good."""
-        return self._send(_E.SEND_ABORT, Abort(reason))
+        return self._send(_E.SEND_ABORT, messages.Abort(reason))
 
     def restart(self) -> None:
         """Start a new attempt (after a failure or a timeout): attempt + 1, back to IDLE."""
-        self.state = transition(SENDER_TRANSITIONS, self.state, _E.RESTART, self._who)
+        self.state = session.transition(SENDER_TRANSITIONS, self.state, _E.RESTART, self._who)
         self.attempt += 1
         self._send_seq = self._recv_seq = 0
         self._ledger = None
 
     # ---- incoming ----------------------------------------------------------------------------
 
-    def receive(self, header: FrameHeader, message: Message) -> SenderAction:
+    def receive(self, header: FrameHeader, message: messages.Message) -> SenderAction:
         """Apply one reply from the receiver; raises on Nack and on a reply that fails a check."""
         if header.transfer_id != self.transfer_id:
             raise ProtocolError(f"{self._who}: frame for another transfer")
@@ -218,15 +192,15 @@ class SenderSession:
         if header.attempt > self.attempt:
             raise ProtocolError(f"{self._who}: reply from future attempt {header.attempt}")
         event = self._classify(message)
-        next_state = transition(SENDER_TRANSITIONS, self.state, event, self._who)
+        next_state = session.transition(SENDER_TRANSITIONS, self.state, event, self._who)
         if header.seq != self._recv_seq:
             self._fail(
                 ProtocolError(f"{self._who}: reply seq {header.seq}, expected {self._recv_seq}")
             )
         self._recv_seq += 1
-        if isinstance(message, Hello):
+        if isinstance(message, messages.Hello):
             self._verify_hello(header, message)
-        elif isinstance(message, Nack):
+        elif isinstance(message, messages.Nack):
             self.state = next_state
             raise TransferRefused(f"{message.code.name}: {message.text}", message.retryable)
         self.state = next_state
@@ -244,48 +218,41 @@ class SenderSession:
         return f"sender {self.transfer_id.hex()} attempt {self.attempt}"
 
     def _check(self, event: SenderEvent) -> None:
-        transition(SENDER_TRANSITIONS, self.state, event, self._who)
+        session.transition(SENDER_TRANSITIONS, self.state, event, self._who)
 
-    def _require_ledger(self) -> ChunkLedger:
+    def _require_ledger(self) -> session.ChunkLedger:
         # SENDING is reachable only through send_begin, which creates the ledger.
         if self._ledger is None:
             raise IllegalTransition(f"{self._who}: no Begin was sent in this attempt")
         return self._ledger
 
-    def _send(self, event: SenderEvent, message: Message) -> Outbound:
-        self.state = transition(SENDER_TRANSITIONS, self.state, event, self._who)
+    def _send(self, event: SenderEvent, message: messages.Message) -> session.Outbound:
+        self.state = session.transition(SENDER_TRANSITIONS, self.state, event, self._who)
         envelope = Envelope(self.transfer_id, self.attempt, self._send_seq)
         self._send_seq += 1
-        return Outbound(envelope, message)
+        return session.Outbound(envelope, message)
 
-    def _classify(self, message: Message) -> SenderEvent:
-        if isinstance(message, Hello):
+    def _classify(self, message: messages.Message) -> SenderEvent:
+        if isinstance(message, messages.Hello):
             return _E.RECV_HELLO
-        if isinstance(message, Ack):
+        if isinstance(message, messages.Ack):
             return _REPLY_EVENTS[message.of]
-        if isinstance(message, Nack):
+        if isinstance(message, messages.Nack):
             return _E.RECV_NACK
-        if isinstance(message, Abort):
+        if isinstance(message, messages.Abort):
             return _E.RECV_ABORT
         return _E.RECV_UNEXPECTED
 
-    def _verify_hello(self, header: FrameHeader, hello: Hello) -> None:
-        if self._key is not None:
-            want = hello_mac(
-                self._key, hello.role, header.transfer_id, header.attempt, hello.fingerprint
-            )
-            if not hmac.compare_digest(want, hello.auth):
-                self._fail(Unauthenticated(f"{self._who}: receiver's Hello has no valid MAC"))
+    def _verify_hello(self, header: FrameHeader, hello: messages.Hello) -> None:
         # The receiver is the one that refuses; checking here too keeps a buggy or old receiver
         # from ever being sent KV.
-        if hello.protocol_version != PROTOCOL_VERSION:
-            self._fail(UnsupportedVersion(f"{self._who}: receiver speaks {hello.protocol_version}"))
-        diff = self._compare(self._fingerprint, hello.fingerprint)
-        if diff:
-            self._fail(FingerprintMismatch(diff, context=self._who))
+        want = handshake.peer_mac(self._key, header, hello)
+        problem = handshake.problem(hello, want, self._fingerprint, self._compare, self._who)
+        if problem is not None:
+            self._fail(problem[1])
 
     def _fail(self, error: Exception) -> NoReturn:
-        self.state = transition(SENDER_TRANSITIONS, self.state, _E.FAIL, self._who)
+        self.state = session.transition(SENDER_TRANSITIONS, self.state, _E.FAIL, self._who)
         raise error
 
 

@@ -14,26 +14,24 @@ socket; they know block indices within a transfer, not KV memory, leases or the 
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import struct
 from bisect import bisect_right
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import TypeVar
 
-from pdserve.errors import IllegalTransition
+from pdserve.errors import (
+    IllegalTransition,
+)
 from pdserve.transfer.codec import Envelope
 from pdserve.transfer.messages import (
     Chunk,
     KVLayout,
     Message,
     NackCode,
-    Role,
     commit_digest,
 )
-from pdserve.transfer.wire import FingerprintValue, encode_fingerprint
+from pdserve.transfer.wire import FingerprintValue
 
 FingerprintMap = Mapping[str, FingerprintValue]
 # (local, remote) -> {field: (local value, remote value)} for every differing field; empty when
@@ -62,19 +60,6 @@ def fingerprint_diff(
         if type(a) is not type(b) or a != b:
             diff[name] = (a, b)
     return diff
-
-
-def hello_mac(
-    key: bytes | None, role: Role, transfer_id: bytes, attempt: int, fingerprint: FingerprintMap
-) -> bytes:
-    """The `Hello.auth` tag: HMAC-SHA256 under the cluster's KV key over what the Hello says
-    and which attempt of which transfer it opens; b"" when the cluster has no secret."""
-    if key is None:
-        return b""
-    mac = hmac.new(key, b"pdkv2 hello", hashlib.sha256)
-    mac.update(struct.pack("<B16sI", int(role), transfer_id, attempt))
-    mac.update(encode_fingerprint(fingerprint))
-    return mac.digest()
 
 
 def transition(table: Mapping[tuple[S, E], S], state: S, event: E, who: str) -> S:

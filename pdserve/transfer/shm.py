@@ -31,12 +31,11 @@ import os
 import re
 import secrets
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.errors import BadMagic, ProtocolError, UnsupportedVersion
 from pdserve.transfer import arena
-from pdserve.transfer.slot_stream import Announce, SlotStream
+from pdserve.transfer.slot_stream import SlotStream, SlotWrite
 from pdserve.transfer.stream import ByteStream
 from pdserve.transfer.tcp import Upgraded
 
@@ -117,16 +116,10 @@ class _ShmWriter:
         self._view = memoryview(outbox.map)
         self._slot_bytes = slot_bytes
 
-    async def write(
-        self,
-        slot: int,
-        views: list[memoryview],
-        peer_gone: Callable[[], bool],
-        announce: Announce,
-    ) -> None:
+    async def write(self, job: SlotWrite) -> None:
         # A memcpy: done on return, nothing for the peer to drive (never announced).
-        offset = slot * self._slot_bytes
-        for view in views:
+        offset = job.slot * self._slot_bytes
+        for view in job.views:
             self._view[offset : offset + view.nbytes] = view
             offset += view.nbytes
 

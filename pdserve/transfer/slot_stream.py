@@ -49,6 +49,7 @@ import contextlib
 import struct
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from pdserve.errors import PeerClosed, ProtocolError, TransferError
@@ -84,22 +85,27 @@ Announce = Callable[[], Awaitable[None]]
 """Sends the WRITING frame of the write in progress (at most once per write)."""
 
 
+@dataclass(frozen=True, slots=True)
+class SlotWrite:
+    """One write into the peer's inbox: `views` (together at most one slot) go to the start of
+    `slot`; `peer_gone` and `announce` are the stream's, for a writer that must wait."""
+
+    slot: int
+    views: list[memoryview]
+    peer_gone: Callable[[], bool]
+    announce: Announce
+
+
 class SlotWriter(Protocol):
     """Puts bytes into one slot of the peer's inbox."""
 
-    async def write(
-        self,
-        slot: int,
-        views: list[memoryview],
-        peer_gone: Callable[[], bool],
-        announce: Announce,
-    ) -> None:
-        """Copy `views` (together at most one slot) to the start of `slot`.
+    async def write(self, job: SlotWrite) -> None:
+        """Copy `job.views` to the start of `job.slot`.
 
         On return, including by cancellation, no write into the slot may still be in flight.
-        A writer that waits for its write to complete awaits `announce()` first (the peer then
-        drives its progress until the DATA), polls `peer_gone` and raises `PeerClosed` once it
-        is true.
+        A writer that waits for its write to complete awaits `job.announce()` first (the peer
+        then drives its progress until the DATA), polls `job.peer_gone` and raises `PeerClosed`
+        once it is true.
         """
         ...
 
@@ -254,7 +260,7 @@ class SlotStream(ByteStream):
                 await self._send_frame(_WRITING, slot, num_bytes)
 
         try:
-            await self._writer.write(slot, chunk, self._peer_gone, announce)
+            await self._writer.write(SlotWrite(slot, chunk, self._peer_gone, announce))
         except BaseException:
             self._free_slots.appendleft(slot)  # the peer never heard of it
             raise

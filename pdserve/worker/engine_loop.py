@@ -29,10 +29,11 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import EngineStats, RequestDelta
+from pdserve.engine.request import StartOptions
 from pdserve.errors import NoFreeBlocks, PromptTooLong, RequestNotFound
 from pdserve.protocol.sampling import SamplingParams
 
@@ -158,9 +159,8 @@ class EngineLoop:
         prompt_token_ids: list[int],
         params: SamplingParams,
         *,
-        hold_kv: bool = False,
-        output_token_ids: list[int] | None = None,
         on_finish: Callable[[Engine], None] | None = None,
+        **start: Unpack[StartOptions],
     ) -> DeltaQueue:
         """Queue a request (resuming after `output_token_ids` if given); its deltas arrive on
         the returned queue until one is finished.
@@ -172,13 +172,7 @@ class EngineLoop:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), on_finish)
 
         def add(engine: Engine) -> None:
-            engine.add_request(
-                request_id,
-                prompt_token_ids,
-                params,
-                hold_kv=hold_kv,
-                output_token_ids=output_token_ids,
-            )
+            engine.add_request(request_id, prompt_token_ids, params, **start)
             self._streams[request_id] = stream
 
         await self.call(add, undo=self._aborter(request_id))

@@ -24,6 +24,7 @@ from cluster_auth import SignedSession, signed_model, signed_session
 from worker_proc import WorkerHandle, launch_worker, wait_ready, worker_processes
 
 from pdserve.faults import parse_rule
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.protocol.worker_api import (
     DecodeRequest,
     KVAbortRequest,
@@ -32,14 +33,13 @@ from pdserve.protocol.worker_api import (
     RenewRequest,
     Reservation,
     ReserveRequest,
-    SamplingModel,
     TokenEvent,
 )
 from pdserve.protocol.worker_observe import FaultPlanBody, FaultState
 
 T = TypeVar("T")
 TIMEOUT = aiohttp.ClientTimeout(total=20)
-GREEDY = SamplingModel(max_tokens=8, temperature=0.0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 ADMIN = ["--enable-fault-admin"]
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import secrets
 from collections.abc import AsyncGenerator, Sequence
@@ -101,7 +102,7 @@ def start(
         for j in range(job.best_of):
             k = i * job.best_of + j
             rid = job.request_id if num_samples == 1 else f"{job.request_id}-{k}"
-            sampling = job.sampling.model_copy(update={"seed": choice_seed(seed, j)})
+            sampling = dataclasses.replace(job.sampling, seed=choice_seed(seed, j))
             flow, timeline = dispatcher.begin(rid)
             output = OutputStream(
                 tokenizer,

@@ -31,7 +31,6 @@ from pdserve.errors import (
 )
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.protocol.sampling import GrammarKind, GrammarSpec, SamplingParams
-from pdserve.protocol.worker_api import SamplingModel
 from pdserve.router.api import field_policy
 from pdserve.router.api.json_body import validate
 from pdserve.router.api.openai_models import (
@@ -201,7 +200,7 @@ class RequestBuilder:
         grammar: GrammarSpec | None,
         prompt_logprobs: int | None = None,
         limit_param: str = "max_tokens",
-    ) -> SamplingModel:
+    ) -> SamplingParams:
         if body.seed is not None and not 0 <= body.seed < _SEED_LIMIT:
             raise InvalidRequest(f"seed: must be in [0, 2**63), got {body.seed}", "seed")
         try:
@@ -231,7 +230,7 @@ class RequestBuilder:
             if field == "max_tokens":
                 raise InvalidRequest(f"{limit_param}:{rest}", limit_param) from exc
             raise InvalidRequest(str(exc), field) from exc
-        return SamplingModel.from_params(params)
+        return params
 
     def _token_ids(self, ids: Collection[int], param: str) -> list[int]:
         vocab = self._tokenizer.vocab_size
@@ -323,7 +322,7 @@ class RequestBuilder:
         prefix: str,
         body: SamplingFields,
         prompts: list[PromptInput],
-        sampling: SamplingModel,
+        sampling: SamplingParams,
         best_of: int,
         top_logprobs: int | None,
         echo: bool,

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from pdserve.protocol.worker_api import LogprobModel, SamplingModel
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.protocol.worker_api import LogprobModel
 from pdserve.router.api.logprobs_format import TokenTexts, chat_logprobs, completion_logprobs
 from pdserve.router.api.openai_models import (
     ChatChoice,
@@ -62,7 +63,7 @@ class Job:
     body: SamplingFields
     prompts: list[PromptInput]
     # The base sampling: choice k of each prompt runs with `fanout.choice_seed(seed, k)`.
-    sampling: SamplingModel
+    sampling: SamplingParams
     # Samples per prompt (>= n; the n with the highest total logprob are returned).
     best_of: int = 1
     # Logprob alternatives the client asked for per token; None: no logprobs in the answer.

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pdserve.protocol.request_state import RequestTimeline
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.protocol.worker_api import (
     LogprobModel,
     PrefillResult,
-    SamplingModel,
     StepInfo,
     TokenEvent,
 )
@@ -32,7 +32,7 @@ class FlowRequest:
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling: SamplingModel
+    sampling: SamplingParams
     # Mutable: the flow advances it.
     timeline: RequestTimeline
     # The conversation it continues (OpenAI `user` or `x-session-id`): affinity routing

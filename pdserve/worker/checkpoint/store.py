@@ -28,7 +28,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Coroutine
 
-from pdserve.checkpoint.holder import Refusal
+from pdserve.checkpoint.holder import BlockRun, Refusal
 from pdserve.checkpoint.host_tier import HostPut, HostTier
 from pdserve.engine.block_manager import prefix_block_hashes
 from pdserve.errors import CheckpointRefused, PdserveError
@@ -184,9 +184,9 @@ class CheckpointStore:
     ) -> HostPut:
         """Room for a put of this engine's fingerprint (checked by the caller: `put`, or a
         link's handshake), the owner leased; CheckpointRefused (full, chain, version)."""
-        pending = self.tier.begin_put(
-            owner, self._info.fingerprint_digest, parent_hash, first_version, block_tokens
-        )
+        fingerprint = self._info.fingerprint_digest
+        run = BlockRun(owner, fingerprint, parent_hash, first_version, block_tokens)
+        pending = self.tier.begin_put(run)
         self._lease(owner, lease_ttl_s)
         return pending
 

@@ -343,7 +343,7 @@ class WorkerAPI:
             queue = await self.engine.add(
                 body.request_id,
                 body.prompt_token_ids,
-                body.sampling.to_params(),
+                body.sampling,
                 output_token_ids=body.output_token_ids,
             )
             done = False

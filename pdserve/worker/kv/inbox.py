@@ -191,7 +191,7 @@ class KVInbox:
     async def reserve(self, body: ReserveRequest) -> Reservation:
         """Allocate the blocks, expect the transfer and lease the blocks it will write."""
         rid = body.request_id
-        params = body.sampling.to_params()
+        params = body.sampling
         num_cached, block_ids, views = await self._engine.add_remote(
             rid, body.prompt_token_ids, params
         )

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdserve.checkpoint.holder import BlockRun
 from pdserve.checkpoint.host_tier import HostTier
 from pdserve.engine.block_manager import prefix_block_hashes
 from pdserve.errors import CheckpointRefused
@@ -20,7 +21,7 @@ def _fill(tier: HostTier, owner: str, tokens: list[int], start_block: int = 0) -
     hashes = prefix_block_hashes(tokens, BS)
     parent = hashes[start_block - 1] if start_block else 0
     blocks = [tokens[i * BS : (i + 1) * BS] for i in range(start_block, len(hashes))]
-    put = tier.begin_put(owner, FP, parent, (start_block + 1) * BS, blocks)
+    put = tier.begin_put(BlockRun(owner, FP, parent, (start_block + 1) * BS, blocks))
     for i, buffer in enumerate(put.buffers):
         buffer[:] = bytes([start_block + i]) * BLOCK_BYTES
     n = tier.commit(put)
@@ -52,10 +53,10 @@ def test_a_put_that_does_not_continue_a_held_prefix_is_refused() -> None:
         _fill(tier, "r1", tokens, start_block=1)
     assert err.value.reason == "chain"
     with pytest.raises(CheckpointRefused) as err:
-        tier.begin_put("r1", FP, 0, 6, [tokens[:4]])
+        tier.begin_put(BlockRun("r1", FP, 0, 6, [tokens[:4]]))
     assert err.value.reason == "version"
     with pytest.raises(CheckpointRefused) as err:
-        tier.begin_put("r1", FP, 0, 4, [tokens[:3]])
+        tier.begin_put(BlockRun("r1", FP, 0, 4, [tokens[:3]]))
     assert err.value.reason == "version"
     assert tier.refused == {"chain": 1, "version": 2}
     assert tier.reserved_bytes == 0
@@ -64,9 +65,9 @@ def test_a_put_that_does_not_continue_a_held_prefix_is_refused() -> None:
 def test_full_tier_refuses_before_any_byte_and_abort_gives_room_back() -> None:
     tier = HostTier(2 * BLOCK_BYTES, BS, BLOCK_BYTES)
     tokens = list(range(12))
-    put = tier.begin_put("r1", FP, 0, BS, [tokens[:4], tokens[4:8]])
+    put = tier.begin_put(BlockRun("r1", FP, 0, BS, [tokens[:4], tokens[4:8]]))
     with pytest.raises(CheckpointRefused) as err:
-        tier.begin_put("r2", FP, 0, BS, [tokens[:4]])
+        tier.begin_put(BlockRun("r2", FP, 0, BS, [tokens[:4]]))
     assert err.value.reason == "full"
     tier.abort(put)
     tier.abort(put)  # idempotent
@@ -91,7 +92,7 @@ def test_shared_prefix_is_held_once_and_freed_with_its_last_owner() -> None:
 def test_changed_bytes_are_refused_counted_and_dropped() -> None:
     tier = HostTier(1024, BS, BLOCK_BYTES)
     tokens = list(range(8))
-    put = tier.begin_put("r1", FP, 0, BS, [tokens[:4], tokens[4:]])
+    put = tier.begin_put(BlockRun("r1", FP, 0, BS, [tokens[:4], tokens[4:]]))
     tier.commit(put)
     put.buffers[1][0] ^= 0xFF  # bit rot after the commit
     hashes = prefix_block_hashes(tokens, BS)
@@ -146,13 +147,12 @@ def test_random_puts_and_releases_keep_the_accounting(ops: list[tuple[str, int, 
                 start = sent[owner]
                 hashes = prefix_block_hashes(tokens[: (start + n) * BS], BS)
                 blocks = [tokens[i * BS : (i + 1) * BS] for i in range(start, start + n)]
-                put = tier.begin_put(
-                    name, FP, hashes[start - 1] if start else 0, (start + 1) * BS, blocks
-                )
+                parent = hashes[start - 1] if start else 0
+                put = tier.begin_put(BlockRun(name, FP, parent, (start + 1) * BS, blocks))
                 tier.commit(put)
                 sent[owner] = start + n
             elif op == "abort":
-                put = tier.begin_put(name, FP, 0, BS, [tokens[:4]])
+                put = tier.begin_put(BlockRun(name, FP, 0, BS, [tokens[:4]]))
                 tier.abort(put)
             else:
                 tier.release(name)

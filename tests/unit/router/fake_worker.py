@@ -19,6 +19,7 @@ from aiohttp.test_utils import TestServer
 from cluster_auth import HTTP_KEY
 
 from pdserve.auth.signing import CallVerifier
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.protocol.worker_api import (
     DecodeRequest,
     ErrorBody,
@@ -33,7 +34,6 @@ from pdserve.protocol.worker_api import (
     RenewResult,
     Reservation,
     ReserveRequest,
-    SamplingModel,
     StepInfo,
     TokenEvent,
     WorkerHealth,
@@ -80,7 +80,7 @@ class FakeWorker:
     # `step_prefill_tokens[i % len]` (the worker's interference report); None: no step facts.
     step_prefill_tokens: list[int] | None = None
     calls: list[tuple[str, str]] = field(default_factory=list)
-    samplings: list[SamplingModel] = field(default_factory=list)
+    samplings: list[SamplingParams] = field(default_factory=list)
     # Every /decode and /generate body, in order (checkpoint plans and sources included).
     bodies: list[DecodeRequest | GenerateRequest] = field(default_factory=list)
     # Reported as the prefix cache's share of every prompt.
@@ -246,7 +246,7 @@ class FakeWorker:
         self,
         request: web.Request,
         start: int,
-        sampling: SamplingModel,
+        sampling: SamplingParams,
         prompt: list[int] | None = None,
     ) -> web.StreamResponse:
         max_tokens = sampling.max_tokens
@@ -295,7 +295,7 @@ def fake_logprob(seed: int | None, index: int) -> float:
     return -((seed or 0) % 7 + 1) * 0.1 - index * 0.01
 
 
-def _logprob(sampling: SamplingModel, index: int, token: int) -> LogprobModel | None:
+def _logprob(sampling: SamplingParams, index: int, token: int) -> LogprobModel | None:
     if sampling.logprobs is None:
         return None
     value = fake_logprob(sampling.seed, index)
@@ -309,7 +309,7 @@ def _logprob(sampling: SamplingModel, index: int, token: int) -> LogprobModel | 
     )
 
 
-def _prompt_logprobs(sampling: SamplingModel, prompt: list[int]) -> list[LogprobModel] | None:
+def _prompt_logprobs(sampling: SamplingParams, prompt: list[int]) -> list[LogprobModel] | None:
     if sampling.prompt_logprobs is None:
         return None
     return [LogprobModel(token_id=t, logprob=-0.5) for t in prompt[1:]]

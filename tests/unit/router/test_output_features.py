@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdserve.model.tokenizer import Tokenizer
-from pdserve.protocol.worker_api import SamplingModel
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.text.output import OutputStream
 from pdserve.text.stop import StopMatcher, first_stop_span
 
@@ -47,7 +47,7 @@ def tok(tiny_model_path: Path) -> Tokenizer:
 def stream(tok: Tokenizer, ids: list[int], **kw: object) -> tuple[str, OutputStream]:
     options = {k: kw.pop(k) for k in ("skip_special_tokens", "include_stop_str_in_output",
                                       "max_tokens") if k in kw}  # fmt: skip
-    out = OutputStream(tok, SamplingModel(**kw), tok.eos_token_ids, **options)  # type: ignore[arg-type]
+    out = OutputStream(tok, SamplingParams(**kw), tok.eos_token_ids, **options)  # type: ignore[arg-type]
     text = out.add_all(ids)
     if not out.finished:
         text += out.finish("length")
@@ -85,6 +85,6 @@ def test_skip_special_tokens_off_shows_them(tok: Tokenizer) -> None:
 
 
 def test_echo_only_takes_no_token(tok: Tokenizer) -> None:
-    out = OutputStream(tok, SamplingModel(max_tokens=1), tok.eos_token_ids, max_tokens=0)
+    out = OutputStream(tok, SamplingParams(max_tokens=1), tok.eos_token_ids, max_tokens=0)
     text = out.add_all([5, 6])
     assert (text, out.num_tokens, out.finish_reason) == ("", 0, "length")

@@ -24,6 +24,7 @@ from virtual_time import run_virtual
 
 from pdserve.errors import NoCapacity, RouterError, WorkerCallError, WorkerUnreachable
 from pdserve.protocol.request_state import RequestState, RequestTimeline
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.protocol.worker_api import (
     DecodeRequest,
     ErrorBody,
@@ -36,7 +37,6 @@ from pdserve.protocol.worker_api import (
     RenewResult,
     Reservation,
     ReserveRequest,
-    SamplingModel,
     TokenEvent,
     WorkerHealth,
 )
@@ -232,7 +232,7 @@ async def one_request(mode: str, client: FakeClient, pool: FakePool | None = Non
     loop = asyncio.get_running_loop()
     deadline = loop.time() + REQUEST_TIMEOUT_S
     timeline = RequestTimeline("r1", mode)
-    sampling = SamplingModel(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, seed=1)
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, seed=1)
     request = FlowRequest("r1", [5, 6, 7], sampling, timeline, None, deadline)
     tokens: list[int] = []
     error: BaseException | None = None
@@ -304,7 +304,7 @@ def test_a_paused_prefill_worker_is_a_local_prefill_not_a_500() -> None:
         flow = DisaggFlow(pool, client, [2], affinity=affinity)  # type: ignore[arg-type]
         loop = asyncio.get_running_loop()
         timeline = RequestTimeline("r1", "disagg")
-        sampling = SamplingModel(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
         request = FlowRequest("r1", [5], sampling, timeline, None, loop.time() + 20)
         async with contextlib.aclosing(flow.stream(request)) as chunks:
             tokens = [t async for c in chunks for t in c.token_ids]

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.model.tokenizer import Tokenizer
-from pdserve.protocol.worker_api import SamplingModel
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.text.output import OutputStream
 from pdserve.text.stop import StopMatcher, first_stop, held_suffix_len, truncate_at_stop
 
@@ -57,7 +57,7 @@ def test_token_stream_with_real_detokenizer(tokenizer: Tokenizer) -> None:
         st.lists(st.text(alphabet="etaoin shr", min_size=1, max_size=3), max_size=3),
     )
     def check(token_ids: list[int], stop: list[str]) -> None:
-        sampling = SamplingModel(max_tokens=len(token_ids), stop=stop)
+        sampling = SamplingParams(max_tokens=len(token_ids), stop=stop)
         output = OutputStream(tokenizer, sampling, eos_token_ids=())
         text = ""
         for i, token_id in enumerate(token_ids):
@@ -74,7 +74,7 @@ def test_token_stream_with_real_detokenizer(tokenizer: Tokenizer) -> None:
 
 def test_eos_and_stop_token_ids_end_without_text(tokenizer: Tokenizer) -> None:
     ids = tokenizer.encode("hello there", add_special_tokens=False)
-    output = OutputStream(tokenizer, SamplingModel(max_tokens=10, stop_token_ids=[7]), (3,))
+    output = OutputStream(tokenizer, SamplingParams(max_tokens=10, stop_token_ids=[7]), (3,))
     text = output.add_all([*ids, 3, *ids])
     assert text == tokenizer.decode(ids)
     assert output.finish_reason == "stop" and output.num_tokens == len(ids) + 1

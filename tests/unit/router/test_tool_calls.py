@@ -121,7 +121,7 @@ def test_tools_reach_the_template_and_a_forced_choice_the_worker(
             required, forced, free = worker.samplings
             assert free.grammar is None
             assert required.grammar is not None and forced.grammar is not None
-            assert required.grammar.kind == forced.grammar.kind == GrammarKind.GRAMMAR.value
+            assert required.grammar.kind is forced.grammar.kind is GrammarKind.GRAMMAR
             assert '\\"get_weather\\"' in required.grammar.source
             assert '\\"get_weather\\"' not in forced.grammar.source
             generate = worker.bodies[0]
@@ -227,7 +227,7 @@ def test_a_typed_answer_combines_with_tools(tiny_model_path: Path, tokenizer: To
             required, auto, none = (s.grammar for s in worker.samplings)
             assert required is not None and "answer" not in required.source
             assert auto is not None and "answer: %json" in auto.source and "call_0" in auto.source
-            assert none is not None and none.kind == GrammarKind.JSON_SCHEMA.value
+            assert none is not None and none.kind is GrammarKind.JSON_SCHEMA
 
     run(body)
 

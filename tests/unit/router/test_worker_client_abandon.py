@@ -11,10 +11,10 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from pdserve.errors import WorkerUnreachable
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.protocol.worker_api import (
     DecodeRequest,
     PrefillRequest,
-    SamplingModel,
     TokenEvent,
 )
 from pdserve.router.workers.client import ClientTimeouts, WorkerClient
@@ -49,7 +49,7 @@ def test_abandon_cuts_a_silent_control_call_but_not_a_cancelled_caller() -> None
         server = TestServer(app)
         await server.start_server()
         url = str(server.make_url("")).rstrip("/")
-        prefill = PrefillRequest(request_id="r", prompt_token_ids=[1, 2], sampling=SamplingModel())
+        prefill = PrefillRequest(request_id="r", prompt_token_ids=[1, 2], sampling=SamplingParams())
         async with aiohttp.ClientSession() as session:
             client = WorkerClient(session, ClientTimeouts(prefill_s=60.0))
             call = asyncio.ensure_future(client.prefill(url, prefill))

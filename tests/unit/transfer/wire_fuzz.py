@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from pdserve.transfer.byte_ranges import split_payload
 from pdserve.transfer.codec import HEADER, HEADER_BYTES, Envelope, data_checksum, encode
+from pdserve.transfer.handshake import mac as hello_mac
 from pdserve.transfer.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -45,7 +46,6 @@ from pdserve.transfer.messages import (
     commit_digest,
     token_digest,
 )
-from pdserve.transfer.session import hello_mac
 
 FP: dict[str, str | int | float | bool] = {"model": "tiny", "dtype": "float32", "layers": 2}
 KEY = b"k" * 32

@@ -1,0 +1,66 @@
+"""The Hello that opens every KV connection (transfer attempt or checkpoint link): this side's
+own, and the checks a peer's must pass before anything else is read from it.
+
+Used qualified (`handshake.problem`, `handshake.own_hello`): the sessions' own variables are
+named `hello`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+
+from pdserve.errors import FingerprintMismatch, PdserveError, Unauthenticated, UnsupportedVersion
+from pdserve.transfer.codec import FrameHeader
+from pdserve.transfer.messages import PROTOCOL_VERSION, Hello, NackCode, Role
+from pdserve.transfer.session import FingerprintCompare, FingerprintMap
+from pdserve.transfer.wire import encode_fingerprint
+
+
+def mac(
+    key: bytes | None, role: Role, transfer_id: bytes, attempt: int, fingerprint: FingerprintMap
+) -> bytes:
+    """The `Hello.auth` tag: HMAC-SHA256 under the cluster's KV key over what the Hello says
+    and which attempt of which transfer it opens; b"" when the cluster has no secret."""
+    if key is None:
+        return b""
+    tag = hmac.new(key, b"pdkv2 hello", hashlib.sha256)
+    tag.update(struct.pack("<B16sI", int(role), transfer_id, attempt))
+    tag.update(encode_fingerprint(fingerprint))
+    return tag.digest()
+
+
+def peer_mac(key: bytes | None, header: FrameHeader, hello: Hello) -> bytes:
+    """The MAC a peer's Hello must carry for the transfer (or link) and attempt it opens."""
+    return mac(key, hello.role, header.transfer_id, header.attempt, hello.fingerprint)
+
+
+def own_hello(
+    key: bytes | None, role: Role, transfer_id: bytes, attempt: int, fingerprint: FingerprintMap
+) -> Hello:
+    """This side's Hello for one attempt: this build's protocol, its fingerprint and MAC."""
+    auth = mac(key, role, transfer_id, attempt, fingerprint)
+    return Hello(PROTOCOL_VERSION, role, dict(fingerprint), auth)
+
+
+def problem(
+    hello: Hello,
+    want_mac: bytes,
+    local: FingerprintMap,
+    compare: FingerprintCompare,
+    who: str,
+) -> tuple[NackCode, PdserveError] | None:
+    """Why a peer's Hello is not trusted, or None: checked in this order, so that a peer outside
+    the cluster learns nothing about this build, its MAC (`want_mac`, b"" without a cluster
+    key), its protocol version, then its fingerprint against this side's."""
+    if want_mac and not hmac.compare_digest(want_mac, hello.auth):
+        text = f"{who}: the peer's Hello has no valid MAC under the cluster secret"
+        return NackCode.UNAUTHENTICATED, Unauthenticated(text)
+    if hello.protocol_version != PROTOCOL_VERSION:
+        text = f"{who}: the peer speaks {hello.protocol_version}, this build {PROTOCOL_VERSION}"
+        return NackCode.VERSION_MISMATCH, UnsupportedVersion(text)
+    diff = compare(local, hello.fingerprint)
+    if diff:
+        return NackCode.FINGERPRINT_MISMATCH, FingerprintMismatch(diff, context=who)
+    return None
