@@ -198,16 +198,7 @@ def run_advise(config: AdviseConfig) -> AdviseResult:
             return respell(specs, 10_000 + arm_index[endpoint.mode])
 
         report = asyncio.run(
-            measure(
-                endpoints,
-                config.rates,
-                workload,
-                config.slo,
-                config.request_timeout_s,
-                timelines=config.plot_dir is not None,
-                warmup=warmup,
-                repeats=config.repeats,
-            )
+            measure(endpoints, config, workload, warmup=warmup, repeats=config.repeats)
         )
     finally:
         cluster.stop()

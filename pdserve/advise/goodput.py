@@ -35,20 +35,12 @@ import urllib.request
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 
+from pdserve.advise import flags
 from pdserve.advise.client import stream_completion
-from pdserve.advise.flags import (
-    JSON_FILE,
-    PLOT_DIR,
-    add_load_arguments,
-    checked,
-    integer,
-    parse_load,
-    positive,
-)
 from pdserve.advise.goodput_stats import (
     SLO,
     RateSummary,
@@ -101,19 +93,19 @@ class ServeConfig:
     # Exactly one of the two: requests per rate, or seconds of arrivals per rate.
     num_requests: int | None = None
     duration_s: float | None = 10.0
-    modes: tuple[str, ...] = checked(
+    modes: tuple[str, ...] = flags.checked(
         tuple(MODES), _modes, help="comma-separated, from disagg,colocated"
     )
     slo: SLO = field(default_factory=lambda: SLO(ttft_s=0.25, tpot_s=0.025))
     shape: WorkloadShape = field(default_factory=WorkloadShape)
-    seed: int = checked(
-        0, lambda flag, text: integer(flag, text, 0), help="seed of arrivals and prompts"
+    seed: int = flags.checked(
+        0, lambda flag, text: flags.integer(flag, text, 0), help="seed of arrivals and prompts"
     )
     model: str | None = setting(None, MODEL)
-    json_path: Path | None = setting(None, JSON_FILE)
+    json_path: Path | None = setting(None, flags.JSON_FILE)
     plot_dir: Path | None = setting(
         None,
-        PLOT_DIR,
+        flags.PLOT_DIR,
         help="write PNGs here: goodput/attainment vs rate, latency CDFs, one request's phases"
         " (needs pdserve[plot])",
     )
@@ -198,13 +190,23 @@ def default_warmup(endpoint: Endpoint) -> list[RequestSpec]:
     return [RequestSpec(-1, 0.0, tuple(range(100, 164)), 8)]
 
 
+class RunSettings(Protocol):
+    """What `measure` reads of a command's config (`ServeConfig`, `AdviseConfig`)."""
+
+    @property
+    def rates(self) -> tuple[float, ...]: ...
+    @property
+    def slo(self) -> SLO: ...
+    @property
+    def request_timeout_s(self) -> float: ...
+    @property
+    def plot_dir(self) -> Path | None: ...
+
+
 async def measure(
     endpoints: Sequence[Endpoint],
-    rates: Sequence[float],
+    config: RunSettings,
     workload: WorkloadFn,
-    slo: SLO,
-    request_timeout_s: float,
-    timelines: bool = False,
     warmup: WarmupFn = default_warmup,
     repeats: int = 1,
 ) -> ServeReport:
@@ -213,8 +215,10 @@ async def measure(
     rate order. With `repeats` > 1 each rate is run that many times per endpoint, alternating
     (A B B A ...), and summarised over all of them (goodput over the sum of the spans): a
     background load that drifts during the run then hits every endpoint alike. With
-    `timelines`, the median-latency request of each endpoint at the highest rate has its
+    a `plot_dir`, the median-latency request of each endpoint at the highest rate has its
     merged timeline fetched."""
+    rates, slo, request_timeout_s = config.rates, config.slo, config.request_timeout_s
+    timelines = config.plot_dir is not None
     report = ServeReport()
     top_rate = max(rates)
     async with aiohttp.ClientSession() as session:
@@ -253,14 +257,7 @@ async def _measure(config: ServeConfig, endpoints: list[Endpoint]) -> ServeRepor
             rate, config.seed + i, config.shape, config.num_requests, config.duration_s
         )
 
-    return await measure(
-        endpoints,
-        config.rates,
-        workload,
-        config.slo,
-        config.request_timeout_s,
-        timelines=config.plot_dir is not None,
-    )
+    return await measure(endpoints, config, workload)
 
 
 def _fetch_view(router_url: str, request_id: str | None) -> dict[str, Any]:
@@ -379,9 +376,9 @@ def run_serve_bench(args: argparse.Namespace) -> int:
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """The validated config; a bad value raises ConfigError naming its flag."""
     d = ServeConfig()
-    load = parse_load(args, d.duration_s or 10.0)
-    ttft_ms = positive("--ttft-slo-ms", args.ttft_slo_ms) or 0.0
-    tpot_ms = positive("--tpot-slo-ms", args.tpot_slo_ms) or 0.0
+    load = flags.parse_load(args, d.duration_s or 10.0)
+    ttft_ms = flags.positive("--ttft-slo-ms", args.ttft_slo_ms) or 0.0
+    tpot_ms = flags.positive("--tpot-slo-ms", args.tpot_slo_ms) or 0.0
     return build(
         ServeConfig,
         args,
@@ -396,7 +393,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The command's flags, most declared on `ServeConfig`; the load and the SLOs, each made
     of several flags checked together, here (`config_from_args`: one line naming the flag)."""
     d = ServeConfig()
-    add_load_arguments(p, d.rates, d.duration_s or 10.0, "rate")
+    flags.add_load_arguments(p, d.rates, d.duration_s or 10.0, "rate")
     add_fields(p, ServeConfig, only=("modes",))
     p.add_argument(
         "--ttft-slo-ms", default=f"{d.slo.ttft_s * 1e3:g}", help="time to first token SLO"
