@@ -81,6 +81,19 @@ class FingerprintGroup:
 
 
 @dataclass(frozen=True, slots=True)
+class PairRow:
+    """One prefill/decode pair's KV path as the router's probe attested it."""
+
+    prefill: str
+    decode: str
+    transport: str
+    gbps: float
+    # "ok", "slow" (steered around) or "failed".
+    verdict: str
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterStatus:
     """The router and its workers."""
 
@@ -101,6 +114,8 @@ class ClusterStatus:
     mode_setting: str | None = None
     # The processes `pdserve up` supervises (empty for a cluster it did not start).
     processes: tuple[ChildStatus, ...] = ()
+    # Every current prefill/decode pair's probed KV rate (empty: none probed, or probes off).
+    pairs: tuple[PairRow, ...] = ()
 
 
 def read_processes(router_url: str, state_file: Path | None = None) -> tuple[ChildStatus, ...]:
@@ -241,7 +256,28 @@ def collect_status(router_url: str, timeout_s: float = 3.0) -> ClusterStatus:
         groups=groups,
         problems=tuple(str(p) for p in router.get("problems") or ()),
         mode_setting=_str_or_none(router.get("mode_setting")),
+        pairs=_pairs(router),
     )
+
+
+def _pairs(router: dict[str, Any]) -> tuple[PairRow, ...]:
+    """The router's `kv_pairs`, skipping entries it could not have written."""
+    rows = []
+    for p in router.get("kv_pairs") or ():
+        try:
+            rows.append(
+                PairRow(
+                    str(p["prefill"]),
+                    str(p["decode"]),
+                    str(p["transport"]),
+                    float(p["gbps"]),
+                    str(p["verdict"]),
+                    str(p.get("detail") or ""),
+                )
+            )
+        except (KeyError, TypeError, ValueError):
+            continue
+    return tuple(rows)
 
 
 def _router_differs(router: dict[str, Any]) -> dict[str, tuple[str, ...]]:
@@ -311,6 +347,15 @@ def render_table(status: ClusterStatus) -> str:
             f" {', '.join(g.worker_ids)} ({mark})"
             + (f"; differs: {'; '.join(g.differs)}" if g.differs else "")
         )
+    if status.pairs:
+        names = {w.url: w.worker_id or w.url for w in status.workers}
+        lines.append(f"{'kv pair (prefill -> decode)':<36}{'transport':<10}{'GB/s':>8}  verdict")
+        for pr in status.pairs:
+            pair = f"{names.get(pr.prefill, pr.prefill)} -> {names.get(pr.decode, pr.decode)}"
+            lines.append(
+                f"{pair:<36}{pr.transport or '-':<10}{pr.gbps:>8.2f}  {pr.verdict}"
+                + (f" ({pr.detail})" if pr.detail else "")
+            )
     if any(w.assigned_role is not None for w in status.workers):
         lines.append("* role assigned by the router to a `both` worker (auto mode or /admin/mode)")
     if any(w.draining for w in status.workers):

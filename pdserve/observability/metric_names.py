@@ -183,6 +183,16 @@ ROUTER_WORKER_INFO = _spec(
     "draining",
 )
 
+ROUTER_KV_PAIR_GBPS = _spec(
+    "pdserve_router_kv_pair_gigabytes_per_second", "gauge",
+    "The probe's KV rate per prefill/decode pair and transport (taken when the pair formed).",
+    "prefill", "decode", "transport", "verdict",
+)  # fmt: skip
+ROUTER_KV_PAIR_PROBES = _spec(
+    "pdserve_router_kv_pair_probes_total", "counter",
+    "Pair probes, by verdict: ok, slow (far below the transport's rate), failed.", "verdict",
+)  # fmt: skip
+
 # ---- worker ------------------------------------------------------------------------------------
 _W = WORKER_LABELS
 WORKER_BLOCKS_TOTAL = _spec("pdserve_worker_blocks_total", "gauge", "KV blocks in the cache", *_W)

@@ -208,6 +208,40 @@ class SignedReservation(WireModel):
     signature: str
 
 
+# A pair probe moves at most this much throwaway KV (enough for a rate, little for a worker).
+MAX_PROBE_BYTES = 1 << 30
+
+
+class ProbeExpectRequest(WireModel):
+    """POST /kv_probe/expect (decode side): take `num_bytes` of throwaway KV, landing in
+    scratch memory rather than engine blocks; the reservation lapses after `ttl_s`."""
+
+    num_bytes: int = Field(ge=1, le=MAX_PROBE_BYTES)
+    ttl_s: float = Field(default=10.0, gt=0, le=MAX_LEASE_TTL_S)
+
+
+class ProbeSendRequest(WireModel):
+    """POST /kv_probe/send (prefill side): send `num_bytes` of throwaway KV to the probe
+    reservation (signed by the router, as any), over the transport a handoff would use."""
+
+    reservation: SignedReservation
+    num_bytes: int = Field(ge=1, le=MAX_PROBE_BYTES)
+
+
+class ProbeResult(WireModel):
+    """One timed probe transfer: acknowledged bytes over the transport a handoff would take
+    (and the better one it could not, with why)."""
+
+    transport: Transport
+    num_bytes: int
+    # From the first frame on an open stream to the Commit's acknowledgement.
+    seconds: float
+    # Opening that stream (or finding it open and idle): a first NIXL handshake is seconds.
+    connect_seconds: float = 0.0
+    downgraded_from: Transport | None = None
+    downgrade_reason: str | None = None
+
+
 class PrefillRequest(WireModel):
     """Prefill a prompt, return its first token, then push the KV to the reservation."""
 

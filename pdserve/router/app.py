@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Middleware
-from pydantic import BaseModel
 
 from pdserve.clock import Clock, MonotonicClock
 from pdserve.errors import (
@@ -54,10 +53,18 @@ from pdserve.router.flows.colocated import ColocatedFlow
 from pdserve.router.flows.disagg import DisaggFlow, Handoff
 from pdserve.router.flows.dispatcher import Dispatcher
 from pdserve.router.flows.flow import Flow
+from pdserve.router.health_view import (
+    BreakerView,
+    FieldDiffView,
+    FingerprintGroupView,
+    KVPairView,
+    RouterHealth,
+    WorkerSummary,
+)
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.mode.auto_controller import AutoController
 from pdserve.router.mode.breaker import CircuitBreaker
-from pdserve.router.mode.control import AutoView, ModeControl
+from pdserve.router.mode.control import ModeControl
 from pdserve.router.mode.live_monitor import LiveMonitor
 from pdserve.router.mode.roles import AssignedPool, RoleOverlay
 from pdserve.router.placement.affinity import AffinityPolicy
@@ -72,81 +79,11 @@ from pdserve.router.workers.client import ClientTimeouts, WorkerClient
 from pdserve.router.workers.health_watch import HealthWatch
 from pdserve.router.workers.kv_feed import KVEventFeed
 from pdserve.router.workers.model_check import describe, model_mismatch, router_model_fields
+from pdserve.router.workers.pair_probes import PairProbe, PairProber, Verdict
 from pdserve.router.workers.pool import WorkerPool
 
 log = logging.getLogger(__name__)
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-class WorkerSummary(BaseModel):
-    """One worker in GET /health."""
-
-    url: str
-    healthy: bool
-    worker_id: str | None
-    # The worker process's life it answered as last (a restart at the same URL changes it).
-    instance_id: str | None = None
-    # Times the router saw this URL answer as a new instance (restarts at the same address).
-    num_restarts: int = 0
-    role: str | None
-    # The role the router gave this `both` worker (split by auto mode or an operator), if any.
-    assigned_role: str | None = None
-    fingerprint_digest: str | None
-    num_free_blocks: int | None
-    num_running: int | None
-    num_inflight: int
-    last_error: str | None
-
-
-class FieldDiffView(BaseModel):
-    """A fingerprint field on which a group differs from the compatible one."""
-
-    field: str
-    value: str | int | float | None
-    compatible_value: str | int | float | None
-
-
-class FingerprintGroupView(BaseModel):
-    """Healthy workers with one fingerprint; only the compatible group is ever paired."""
-
-    digest: str
-    compatible: bool
-    workers: list[str]
-    roles: list[str]
-    differs: list[FieldDiffView]
-
-
-class RouterHealth(BaseModel):
-    """GET /health."""
-
-    # "ok" when requests of the effective mode can be served as configured, else "degraded"
-    # with the reasons in `problems` (e.g. pools whose fingerprints cannot pair).
-    status: str
-    problems: list[str]
-    pid: int
-    # The mode new requests begin in (set by the operator or the automatic mode), and the one
-    # they get now (colocated while the breaker is open); `mode_setting` is "auto" while the
-    # automatic mode decides.
-    mode: Mode
-    effective_mode: Mode
-    mode_setting: str
-    breaker: BreakerView
-    model: str
-    compatible_digest: str | None
-    fingerprint_groups: list[FingerprintGroupView]
-    workers: list[WorkerSummary]
-    auto: AutoView
-    # Membership records ignored: unreadable, or not signed with the cluster's key.
-    membership_refused: int = 0
-
-
-class BreakerView(BaseModel):
-    """The KV-path circuit breaker in GET /health."""
-
-    enabled: bool
-    state: str
-    failure_rate: float
-    last_transition: str | None
 
 
 class _Routes:
@@ -162,6 +99,7 @@ class _Routes:
         client: WorkerClient | None = None,
         affinity: AffinityPolicy | None = None,
         feed: KVEventFeed | None = None,
+        prober: PairProber | None = None,
     ) -> None:
         self._config = config
         self._pool = pool
@@ -172,6 +110,7 @@ class _Routes:
         self._client = client
         self._affinity = affinity
         self._feed = feed
+        self._prober = prober
 
     async def ready(self, request: web.Request) -> web.Response:
         """GET /ready: 200 when a request of the effective mode has a worker to run on, else
@@ -231,7 +170,15 @@ class _Routes:
             workers=workers,
             auto=self._modes.view(),
             membership_refused=self._pool.membership_refused,
-        )
+            kv_pairs=[
+                KVPairView(
+                    prefill=p.prefill, decode=p.decode, verdict=p.verdict.value,
+                    transport=p.transport, gbps=round(p.gbps, 4),
+                    downgraded_from=p.downgraded_from, detail=p.detail,
+                )
+                for p in (self._prober.table() if self._prober is not None else [])
+            ],
+        )  # fmt: skip
         return web.json_response(text=body.model_dump_json())
 
     def _breaker_view(self) -> BreakerView:
@@ -445,6 +392,25 @@ async def create_app(config: RouterConfig, clock: Clock | None = None) -> web.Ap
     watch = (
         HealthWatch(pool, client, config.health_deadline_s) if config.health_deadline_s else None
     )
+
+    def pair_verdict(probe: PairProbe) -> None:
+        metrics.kv_pair_probes[probe.verdict.value] += 1
+        if probe.verdict is not Verdict.FAILED:  # a KV transfer: the breaker counts it
+            reason = f"KV pair {probe.prefill} -> {probe.decode} {probe.verdict.value}"
+            ok = probe.verdict is Verdict.OK
+            dispatcher.record_kv_outcome(ok, reason if ok else f"{reason}: {probe.detail}")
+
+    prober = None
+    if config.kv_probe_mib > 0:
+        prober = PairProber(
+            pool,
+            client,
+            num_bytes=config.kv_probe_mib << 20,
+            reservation_key=config.reservation_key,
+            on_verdict=pair_verdict,
+        )
+        affinity.avoid_pairs = prober.avoid
+        metrics.kv_pairs = prober.table
     app = web.Application(
         middlewares=[_middleware(config, dispatcher, metrics)],
         client_max_size=body_limit_bytes(max_model_len),
@@ -454,7 +420,15 @@ async def create_app(config: RouterConfig, clock: Clock | None = None) -> web.Ap
     api.add_routes(app)
     TokenizeApi(tokenizer, max_model_len, config.accepted_model_names).add_routes(app)
     routes = _Routes(
-        config, pool, dispatcher, metrics, modes, client=client, affinity=affinity, feed=feed
+        config,
+        pool,
+        dispatcher,
+        metrics,
+        modes,
+        client=client,
+        affinity=affinity,
+        feed=feed,
+        prober=prober,
     )
     app.router.add_get("/health", routes.health)
     app.router.add_get("/ready", routes.ready)
@@ -478,8 +452,12 @@ async def create_app(config: RouterConfig, clock: Clock | None = None) -> web.Ap
         await feed.start()
         if watch is not None:
             await watch.start()
+        if prober is not None:
+            await prober.start()
 
     async def on_cleanup(_: web.Application) -> None:
+        if prober is not None:
+            await prober.stop()
         await controller.stop()
         if watch is not None:
             await watch.stop()

@@ -254,6 +254,13 @@ class RouterConfig:
     lease_ttl_s: float = setting(
         30.0, group="serving (OpenAI API)", help="decode reservation / prefill KV lease"
     )
+    # Throwaway KV sent over each new prefill/decode pair to attest its rate
+    # (`router/workers/pair_probes.py`); 0: no probes.
+    kv_probe_mib: int = setting(
+        32,
+        help="MiB of throwaway KV timed over each new prefill/decode pair (0: no probes);"
+        " slow pairs are reported and steered around",
+    )
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     affinity: AffinityConfig = field(default_factory=AffinityConfig)

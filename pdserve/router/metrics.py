@@ -28,6 +28,7 @@ from pdserve.observability.exposition import (
 )
 from pdserve.observability.request_stats import RequestStats
 from pdserve.router.mode.breaker import BreakerState, CircuitBreaker
+from pdserve.router.workers.pair_probes import PairProbe
 from pdserve.router.workers.pool import WorkerPool
 
 __all__ = ["CONTENT_TYPE", "Histogram", "RouterMetrics", "WorkerGauges"]
@@ -79,6 +80,9 @@ class RouterMetrics:
     num_migrations: int = 0
     # Handoff outcomes ("ok" / "failed"), counted as the disaggregated flow reports them.
     kv_handoffs: Counter[str] = field(default_factory=Counter)
+    # Pair probes by verdict, and the current pairs' last probes (`pair_probes.py`).
+    kv_pair_probes: Counter[str] = field(default_factory=Counter)
+    kv_pairs: Callable[[], Sequence[PairProbe]] | None = None
     breaker: CircuitBreaker | None = None
     # Spikes per phase, owned by the spike detector (shared, not copied).
     handoff_spikes: Counter[str] = field(default_factory=Counter)
@@ -137,6 +141,7 @@ class RouterMetrics:
             (m.ROUTER_RETRIES, self.retries, "reason"),
             (m.ROUTER_FALLBACKS, self.fallbacks, "reason"),
             (m.ROUTER_KV_HANDOFFS, self.kv_handoffs, "outcome"),
+            (m.ROUTER_KV_PAIR_PROBES, self.kv_pair_probes, "verdict"),
             (m.ROUTER_HANDOFF_SPIKES, self.handoff_spikes, "phase"),
         ):
             lines += render_family(spec, (({label: k}, n) for k, n in sorted(counts.items())))
@@ -149,6 +154,15 @@ class RouterMetrics:
                 m.ROUTER_BREAKER_TRANSITIONS,
                 (({"from": a, "to": b}, n) for (a, b), n in sorted(self.breaker.counts.items())),
             )
+        if self.kv_pairs is not None:
+            lines += render_family(
+                m.ROUTER_KV_PAIR_GBPS,
+                (
+                    ({"prefill": p.prefill, "decode": p.decode, "transport": p.transport,
+                      "verdict": p.verdict.value}, round(p.gbps, 4))
+                    for p in self.kv_pairs()
+                ),
+            )  # fmt: skip
         if self.workers is not None:
             lines += _render_workers(self.workers())
         for render in self.extra:

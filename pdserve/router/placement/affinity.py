@@ -40,7 +40,7 @@ worker the prompt.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.engine.block_manager import prefix_block_hashes
@@ -109,6 +109,9 @@ class AffinityPolicy:
         self._sessions: OrderedDict[str, tuple[str, str]] = OrderedDict()
         self._num_tickets = 0
         self.revisions = RevisionBook()
+        # decode url -> prefill urls whose pair with it was attested slow or broken
+        # (`router/workers/pair_probes.py`): chosen only when no other pair exists.
+        self.avoid_pairs: Callable[[str], Collection[str]] = lambda _: ()
 
     # ---- queries ------------------------------------------------------------------------------
 
@@ -237,7 +240,12 @@ class AffinityPolicy:
         exclude: Collection[str] = (),
     ) -> WorkerView | None:
         """The prefill worker for `decode`: same digest (so the decode worker's revision),
-        never `decode` itself."""
+        never `decode` itself; a pair attested slow only when no other exists."""
+        avoid = set(self.avoid_pairs(decode.url)) - set(exclude)
+        if avoid:
+            chosen = self.pick_prefill(views, decode, query, {*exclude, *avoid})
+            if chosen is not None:
+                return chosen
         routing = self.config.routing
         if routing == "load" or decode.health is None:
             return policy.pick_prefill(views, decode, exclude)

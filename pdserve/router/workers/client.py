@@ -29,6 +29,9 @@ from pdserve.protocol.worker_api import (
     GenerateRequest,
     PrefillRequest,
     PrefillResult,
+    ProbeExpectRequest,
+    ProbeResult,
+    ProbeSendRequest,
     ReleaseRequest,
     ReleaseResult,
     RenewRequest,
@@ -164,6 +167,18 @@ class WorkerClient:
         """POST /prefill: the first token; the KV goes to the reservation afterwards."""
         timeout = _within(self._timeouts.prefill_s, remaining_s)
         return await self._post(url, "/prefill", request, PrefillResult, timeout)
+
+    async def probe_expect(self, url: str, request: ProbeExpectRequest) -> Reservation:
+        """POST /kv_probe/expect: a decode worker takes throwaway KV (the pair probe)."""
+        return await self._post(
+            url, "/kv_probe/expect", request, Reservation, self._timeouts.control_s
+        )
+
+    async def probe_send(self, url: str, request: ProbeSendRequest) -> ProbeResult:
+        """POST /kv_probe/send: a prefill worker sends throwaway KV, timed."""
+        return await self._post(
+            url, "/kv_probe/send", request, ProbeResult, self._timeouts.prefill_s
+        )
 
     async def renew(self, url: str, request: RenewRequest) -> RenewResult:
         """POST /renew: extend a reservation's lease while its prefill runs."""

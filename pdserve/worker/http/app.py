@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 
@@ -52,6 +53,8 @@ from pdserve.protocol.worker_api import (
     HandoffInfo,
     KVAbortRequest,
     KVAbortResult,
+    ProbeExpectRequest,
+    ProbeSendRequest,
     ReleaseRequest,
     ReleaseResult,
     RenewRequest,
@@ -75,7 +78,7 @@ from pdserve.worker.http.token_stream import TokenStreamer, end_stream
 from pdserve.worker.kv import canary as kv_canary
 from pdserve.worker.kv.events import KVEventStreams
 from pdserve.worker.kv.inbox import KVInbox, Received
-from pdserve.worker.kv.outbox import KVOutbox
+from pdserve.worker.kv.outbox import KVOutbox, parse_destination
 from pdserve.worker.lease_keeper import LeaseKeeper
 
 
@@ -173,6 +176,8 @@ class WorkerAPI:
                 web.get("/metrics", observe.metrics),
                 web.get("/debug/requests/{request_id}", observe.debug_request),
                 web.post("/admin/drain", self.admin_drain),
+                web.post("/kv_probe/expect", self.probe_expect),
+                web.post("/kv_probe/send", self.probe_send),
             ]
         )
         if self.kv_streams is not None:
@@ -221,6 +226,26 @@ class WorkerAPI:
         if self.faults is not None and (rule := self.faults.fire(FaultSite.WORKER_RESERVE)):
             await perform(rule)
         return json_body(await inbox.reserve(body))
+
+    async def probe_expect(self, request: web.Request) -> web.Response:
+        """POST /kv_probe/expect ProbeExpectRequest -> Reservation (`worker/kv/probe.py`)."""
+        inbox = self._need_inbox("/kv_probe/expect")
+        body = await parse_body(request, ProbeExpectRequest)
+        return json_body(inbox.probes.expect(body))
+
+    async def probe_send(self, request: web.Request) -> web.Response:
+        """POST /kv_probe/send ProbeSendRequest -> ProbeResult: throwaway KV, timed, to a
+        probe reservation the router signed (checked as a handoff's is)."""
+        outbox = self._need_outbox("/kv_probe/send")
+        body = await parse_body(request, ProbeSendRequest)
+        destination = parse_destination(
+            body.reservation,
+            key=self.config.reservation_key,
+            now_s=time.time(),
+            local=self.local_transports,
+            explicit=self.config.kv_transport != "auto",
+        )
+        return json_body(await outbox.probe(destination, body.num_bytes))
 
     def _refuse_if_draining(self, request_id: str) -> None:
         if self.refusing:

@@ -54,6 +54,7 @@ from pdserve.transfer.sender import LeaseHandle
 from pdserve.transfer.tcp import TcpServer
 from pdserve.worker.engine_loop import EngineInfo, EngineLoop
 from pdserve.worker.kv import transports as kv_transports
+from pdserve.worker.kv.probe import ProbeSink
 from pdserve.worker.kv.transport_stats import TransportStats
 from pdserve.worker.lease_keeper import LeaseKeeper
 
@@ -127,6 +128,8 @@ class KVInbox:
         self._transports = transports
         self._max_connections = max_connections
         self.stats = stats or TransportStats()
+        # Throwaway transfers of the router's pair probes (scratch memory, no engine blocks).
+        self.probes = ProbeSink(self.receiver, info, lambda: self.endpoints, self.stats)
         self._pending: dict[str, _Pending] = {}
         self._cancelling: dict[str, asyncio.Task[int]] = {}
         # Cancellations the lease reaper started (kept referenced until they end).
@@ -185,6 +188,7 @@ class KVInbox:
         """Stop the endpoints and cancel every pending reservation."""
         for _, server in self._servers:
             await server.aclose()
+        await self.probes.aclose()
         for request_id in list(self._pending):
             await self.cancel(request_id, "worker stopping")
 

@@ -34,7 +34,7 @@ from pdserve.errors import ConfigError
 from pdserve.faults import FaultInjector, FaultRule, FaultSite
 from pdserve.observability.timeline_log import EventRing
 from pdserve.protocol.reservation_signing import verify_reservation
-from pdserve.protocol.worker_api import Reservation, SignedReservation, Transport
+from pdserve.protocol.worker_api import ProbeResult, Reservation, SignedReservation, Transport
 from pdserve.transfer.faulty import InjectorStream
 from pdserve.transfer.messages import KVLayout, token_digest
 from pdserve.transfer.sender import (
@@ -48,6 +48,7 @@ from pdserve.transfer.stream import Address, ByteStream
 from pdserve.worker.engine_loop import EngineInfo, EngineLoop
 from pdserve.worker.kv import transports as kv_transports
 from pdserve.worker.kv.connections import Connect, ConnectionPool
+from pdserve.worker.kv.probe import PROBE_PREFIX, probe_blocks
 from pdserve.worker.kv.transport_stats import TransportStats
 from pdserve.worker.lease_keeper import LeaseKeeper
 from pdserve.worker.metrics import SendHistograms
@@ -258,6 +259,61 @@ class KVOutbox:
         self._tasks[request_id] = task
         task.add_done_callback(lambda _: self._tasks.pop(request_id, None))
 
+    async def probe(
+        self, destination: Destination, num_bytes: int, timeout_s: float = 30.0
+    ) -> ProbeResult:
+        """Send `num_bytes` (rounded up to whole blocks) of throwaway KV to a probe reservation
+        (`worker/kv/probe.py`) and time it; raises what a handoff's send would."""
+        info = self._info
+        num_blocks = probe_blocks(info, num_bytes)
+        source = memoryview(bytearray(num_blocks * info.block_bytes))
+        blocks = [
+            source[i * info.block_bytes : (i + 1) * info.block_bytes] for i in range(num_blocks)
+        ]
+        rid = f"{PROBE_PREFIX}{destination.transfer_id.hex()[:12]}"
+        transfer, session = outgoing(info, destination, rid, [], blocks, b"", self._key)
+        transport, address = destination.transport, destination.address
+        connect, release = self._streams(transport, address)
+        # The stream is opened (and pooled) first: a NIXL or shm connection sets up and
+        # registers its slot pool once, which can take seconds; the rate is the link's.
+        opening = time.monotonic()
+        await self.pool.release(
+            transport, address, await self.pool.acquire(transport, address), True
+        )
+        started = time.monotonic()
+        await send_with_retries(
+            connect, session, transfer, self._policy, deadline=started + timeout_s, release=release
+        )
+        seconds = time.monotonic() - started
+        total = num_blocks * info.block_bytes
+        self.stats.sent(transport, f"{address[0]}:{address[1]}", total, seconds)
+        return ProbeResult(
+            transport=transport,
+            num_bytes=total,
+            seconds=seconds,
+            connect_seconds=started - opening,
+            downgraded_from=destination.downgraded_from,
+            downgrade_reason=destination.downgrade_reason,
+        )
+
+    def _streams(
+        self, transport: Transport, address: Address
+    ) -> tuple[Callable[[], Awaitable[ByteStream]], Callable[[ByteStream, bool], Awaitable[None]]]:
+        """A send's pooled streams to one endpoint: how it gets one, and gives it back."""
+        pool, faults = self.pool, self._faults
+
+        async def connect() -> ByteStream:
+            stream = await pool.acquire(transport, address)
+            return stream if faults is None else InjectorStream(stream, faults)
+
+        async def release(stream: ByteStream, ok: bool) -> None:
+            # A stream a fault acted on is in an unknown state: closed, never reused.
+            if isinstance(stream, InjectorStream):
+                ok, stream = ok and not stream.fired, stream.inner
+            await pool.release(transport, address, stream, ok)
+
+        return connect, release
+
     async def cancel(self, request_id: str) -> bool:
         """Stop the request's send and wait until it has ended (its KV is then released and
         no longer read); False if none runs."""
@@ -318,19 +374,8 @@ class KVOutbox:
             transfer, session = outgoing(
                 self._info, destination, request_id, prompt_token_ids, blocks, digest, self._key
             )
-            pool = self.pool
             transport, address = destination.transport, destination.address
-
-            async def connect() -> ByteStream:
-                stream = await pool.acquire(transport, address)
-                return stream if faults is None else InjectorStream(stream, faults)
-
-            async def release(stream: ByteStream, ok: bool) -> None:
-                # A stream a fault acted on is in an unknown state: closed, never reused.
-                if isinstance(stream, InjectorStream):
-                    ok, stream = ok and not stream.fired, stream.inner
-                await pool.release(transport, address, stream, ok)
-
+            connect, release = self._streams(transport, address)
             num_bytes = sum(view.nbytes for view in blocks)
             self._record(
                 request_id,

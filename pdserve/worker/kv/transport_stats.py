@@ -17,24 +17,10 @@ from prometheus_client.metrics_core import Metric
 
 from pdserve.observability import metric_names as m
 from pdserve.observability.exposition import render_family
+from pdserve.protocol.kv_rates import EXPECTED_GBPS, MIN_BYTES_FOR_RATE, SLOW_FRACTION, is_slow
 
-# Expected GB/s of a transfer between two processes on one host, measured here (README §
-# Transports): TCP loopback 2-4, shared memory ~5, NIXL over UCX cma 5-10. Across hosts the
-# link decides; these are floors for "far below", not targets.
-EXPECTED_GBPS: dict[str, float] = {"tcp": 2.0, "shm": 4.0, "nixl": 4.0}
-SLOW_FRACTION = 0.1
-# Smaller transfers are dominated by per-transfer latency, not the link: no rate verdict.
-MIN_BYTES_FOR_RATE = 16 << 20
 # Weight of the newest transfer in a pair's moving average.
 _EWMA_ALPHA = 0.3
-
-
-def is_slow(transport: str, num_bytes: int, seconds: float) -> bool:
-    """True for a transfer big enough to judge that ran far below its transport's rate."""
-    if num_bytes < MIN_BYTES_FOR_RATE or seconds <= 0:
-        return False
-    expected = EXPECTED_GBPS.get(transport, EXPECTED_GBPS["tcp"])
-    return num_bytes / seconds / 1e9 < SLOW_FRACTION * expected
 
 
 @dataclass(slots=True)
