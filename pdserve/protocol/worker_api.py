@@ -194,6 +194,9 @@ class Reservation(WireModel):
     # Leading prompt tokens the decode worker already has (prefix cache); not sent.
     num_cached_tokens: int
     lease_ttl_s: float
+    # The decode process's instance (hex) the reservation lives in: the prefill side's KV
+    # Hello names it, and a process restarted at the address refuses it (STALE_INSTANCE).
+    instance_id: str = Field(default="", max_length=32, pattern="^[0-9a-f]*$")
 
 
 class SignedReservation(WireModel):

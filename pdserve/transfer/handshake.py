@@ -19,29 +19,43 @@ from pdserve.transfer.wire import encode_fingerprint
 
 
 def mac(
-    key: bytes | None, role: Role, transfer_id: bytes, attempt: int, fingerprint: FingerprintMap
+    key: bytes | None,
+    role: Role,
+    transfer_id: bytes,
+    attempt: int,
+    fingerprint: FingerprintMap,
+    peer_instance: bytes = b"",
 ) -> bytes:
     """The `Hello.auth` tag: HMAC-SHA256 under the cluster's KV key over what the Hello says
     and which attempt of which transfer it opens; b"" when the cluster has no secret."""
     if key is None:
         return b""
-    tag = hmac.new(key, b"pdkv2 hello", hashlib.sha256)
+    tag = hmac.new(key, b"pdkv3 hello", hashlib.sha256)
     tag.update(struct.pack("<B16sI", int(role), transfer_id, attempt))
     tag.update(encode_fingerprint(fingerprint))
+    tag.update(struct.pack("<B", len(peer_instance)) + peer_instance)
     return tag.digest()
 
 
 def peer_mac(key: bytes | None, header: FrameHeader, hello: Hello) -> bytes:
     """The MAC a peer's Hello must carry for the transfer (or link) and attempt it opens."""
-    return mac(key, hello.role, header.transfer_id, header.attempt, hello.fingerprint)
+    return mac(
+        key, hello.role, header.transfer_id, header.attempt, hello.fingerprint, hello.peer_instance
+    )
 
 
 def own_hello(
-    key: bytes | None, role: Role, transfer_id: bytes, attempt: int, fingerprint: FingerprintMap
+    key: bytes | None,
+    role: Role,
+    transfer_id: bytes,
+    attempt: int,
+    fingerprint: FingerprintMap,
+    peer_instance: bytes = b"",
 ) -> Hello:
-    """This side's Hello for one attempt: this build's protocol, its fingerprint and MAC."""
-    auth = mac(key, role, transfer_id, attempt, fingerprint)
-    return Hello(PROTOCOL_VERSION, role, dict(fingerprint), auth)
+    """This side's Hello for one attempt: this build's protocol, its fingerprint and MAC, and
+    the peer's instance it is meant for (b"": any)."""
+    auth = mac(key, role, transfer_id, attempt, fingerprint, peer_instance)
+    return Hello(PROTOCOL_VERSION, role, dict(fingerprint), auth, peer_instance)
 
 
 def problem(

@@ -60,7 +60,7 @@ from pdserve.transfer.wire import (
     write_fields,
 )
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 TRANSFER_ID_BYTES = 16
 MIN_TOKEN_BYTES = 16
 MAX_TOKEN_BYTES = 32
@@ -69,6 +69,8 @@ MAX_REQUEST_ID_BYTES = 256
 MAX_TEXT_BYTES = 2048
 # HMAC-SHA256 tag of a Hello under the cluster secret; empty where no secret is configured.
 HELLO_AUTH_BYTES = 32
+# A worker process's instance id (drawn at start, `worker/server.py`).
+INSTANCE_BYTES = 16
 # The Commit's value digest (an opaque canary the decode side recomputes and compares).
 MAX_VALUE_DIGEST_BYTES = 255
 
@@ -126,6 +128,9 @@ class NackCode(IntEnum):
     UNAUTHENTICATED = 13
     # A checkpoint holder refused a Put (full, chain, version): the writer stops replicating.
     CHECKPOINT_REFUSED = 14
+    # The Hello names another instance of this address: the reservation it follows belonged
+    # to a previous life of the process, and died with it.
+    STALE_INSTANCE = 15
 
 
 # Damage in flight (checksums, lost frames) is worth a resend; a refusal on identity is not.
@@ -171,6 +176,9 @@ class Hello:
     fingerprint: Mapping[str, FingerprintValue]
     # `handshake.mac` of this Hello under the cluster secret (b"" when the cluster has none).
     auth: bytes = b""
+    # The receiving process's instance (its life, from the reservation) this Hello is meant
+    # for; b"": whichever answers. A process restarted at the same address refuses it.
+    peer_instance: bytes = b""
 
     TYPE: ClassVar[MsgType] = MsgType.HELLO
     WIRE: ClassVar[Schema] = (
@@ -178,6 +186,7 @@ class Hello:
         ("role", EnumU8(Role)),
         ("fingerprint", Fingerprint()),
         ("auth", Bytes(0, HELLO_AUTH_BYTES)),
+        ("peer_instance", Bytes(0, INSTANCE_BYTES)),
     )
 
     def __post_init__(self) -> None:

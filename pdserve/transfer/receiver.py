@@ -130,8 +130,12 @@ class KVReceiver:
         *,
         cluster_key: bytes | None = None,
         limits: ReceiverLimits | None = None,
+        instance: bytes = b"",
     ) -> None:
         self.fingerprint = dict(fingerprint)
+        # This process's life: a Hello meant for another one follows a reservation that died
+        # with a previous process at this address (refused as such, not as unknown).
+        self.instance = instance
         self._on_chunk = on_chunk
         self._key = cluster_key
         self.limits = limits or ReceiverLimits()
@@ -200,7 +204,7 @@ class KVReceiver:
                 incoming = self._expected.get(header.transfer_id)
                 if incoming is None or incoming.session is None:
                     if isinstance(message, Hello):
-                        await self._refuse_unknown(stream, header.transfer_id, header.attempt)
+                        await self._refuse_unknown(stream, header, message)
                     return
                 if incoming is not current:
                     if not await self._bind_writer(incoming, header, message):
@@ -331,9 +335,18 @@ class KVReceiver:
         self.num_failed_attempts += 1
         self.failed_attempts_by_reason[reason] += 1
 
-    async def _refuse_unknown(self, stream: ByteStream, transfer_id: bytes, attempt: int) -> None:
-        text = f"no reservation for transfer {transfer_id.hex()} (never made, expired or done)"
-        nack = Nack(NackCode.UNKNOWN_TRANSFER, text, False)
+    async def _refuse_unknown(self, stream: ByteStream, header: FrameHeader, hello: Hello) -> None:
+        transfer_id, attempt = header.transfer_id, header.attempt
+        meant = hello.peer_instance
+        if meant and self.instance and meant != self.instance:
+            text = (
+                f"transfer {transfer_id.hex()} was reserved by instance {meant.hex()} of this"
+                f" address; this is instance {self.instance.hex()} (restarted since)"
+            )
+            nack = Nack(NackCode.STALE_INSTANCE, text, False)
+        else:
+            text = f"no reservation for transfer {transfer_id.hex()} (never made, expired or done)"
+            nack = Nack(NackCode.UNKNOWN_TRANSFER, text, False)
         with contextlib.suppress(PdserveError, TimeoutError):
             async with asyncio.timeout(self.limits.frame_timeout_s):
                 await write_frame(stream, Outbound(Envelope(transfer_id, attempt, 0), nack))

@@ -117,11 +117,15 @@ class SenderSession:
         attempt: int = 1,
         compare: session.FingerprintCompare = session.fingerprint_diff,
         cluster_key: bytes | None = None,
+        peer_instance: bytes = b"",
     ) -> None:
+        """`peer_instance`: the receiving process's life the transfer was reserved with (b"":
+        any); a receiver restarted since refuses the Hello (STALE_INSTANCE)."""
         self.transfer_id = transfer_id
         self._role = role
         self._fingerprint = dict(fingerprint)
         self._key = cluster_key
+        self._peer_instance = peer_instance
         self._compare = compare
         self.state = SenderState.IDLE
         self.attempt = attempt
@@ -134,7 +138,12 @@ class SenderSession:
     def send_hello(self) -> session.Outbound:
         """Open the attempt with this side's fingerprint (and MAC, with a cluster key)."""
         own = handshake.own_hello(
-            self._key, self._role, self.transfer_id, self.attempt, self._fingerprint
+            self._key,
+            self._role,
+            self.transfer_id,
+            self.attempt,
+            self._fingerprint,
+            self._peer_instance,
         )
         return self._send(_E.SEND_HELLO, own)
 

@@ -117,6 +117,7 @@ class Worker:
                 transports=transports,
                 max_connections=c.kv_max_connections,
                 stats=stats,
+                instance_id=self.instance_id,
             )
             await self.inbox.start(c.host, c.kv_port, c.advertise_host)
             self.checkpoints = CheckpointService(c, info, self.engine, self.inbox, transports)

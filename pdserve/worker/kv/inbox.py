@@ -113,8 +113,11 @@ class KVInbox:
         transports: tuple[Transport, ...] = ("tcp",),
         max_connections: int | None = 64,
         stats: TransportStats | None = None,
+        instance_id: str = "",
     ) -> None:
         self._engine = engine
+        # This process's life, named in every reservation (its KV Hello must name it too).
+        self.instance_id = instance_id
         self._info = info
         self._leases = leases
         self._faults = faults
@@ -124,6 +127,7 @@ class KVInbox:
             on_chunk=self._chunk_fault if faults is not None else None,
             cluster_key=cluster_key,
             limits=limits,
+            instance=bytes.fromhex(instance_id),
         )
         self._transports = transports
         self._max_connections = max_connections
@@ -251,6 +255,7 @@ class KVInbox:
             lease_epoch=lease.epoch,
             num_cached_tokens=num_cached,
             lease_ttl_s=body.lease_ttl_s,
+            instance_id=self.instance_id,
         )
 
     async def take(self, request_id: str, timeout_s: float) -> Received:

@@ -79,6 +79,8 @@ class Destination:
     downgraded_from: Transport | None = None
     downgrade_reason: str | None = None
     downgrade_detail: str | None = None
+    # The decode process's instance the reservation was made in (b"": not said).
+    peer_instance: bytes = b""
 
 
 def layout_of(info: EngineInfo, num_blocks: int) -> KVLayout:
@@ -109,7 +111,12 @@ def outgoing(
         epoch=destination.epoch,
         value_digest=value_digest,
     )
-    session = SenderSession(destination.transfer_id, info.fingerprint, cluster_key=cluster_key)
+    session = SenderSession(
+        destination.transfer_id,
+        info.fingerprint,
+        cluster_key=cluster_key,
+        peer_instance=destination.peer_instance,
+    )
     return transfer, session
 
 
@@ -168,6 +175,7 @@ def destination_of(
         choice.downgraded_from,
         choice.reason,
         choice.detail,
+        bytes.fromhex(reservation.instance_id),
     )
 
 
@@ -286,7 +294,7 @@ class KVOutbox:
         )
         seconds = time.monotonic() - started
         total = num_blocks * info.block_bytes
-        self.stats.sent(transport, f"{address[0]}:{address[1]}", total, seconds)
+        self.stats.probed(transport, f"{address[0]}:{address[1]}", total, seconds)
         return ProbeResult(
             transport=transport,
             num_bytes=total,

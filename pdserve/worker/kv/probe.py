@@ -72,7 +72,7 @@ class ProbeSink:
             self.num_verified += 1
             if incoming.begin_ns is not None and incoming.verified_ns is not None:
                 seconds = (incoming.verified_ns - incoming.begin_ns) / 1e9
-                self._stats.received(incoming.transport, "", layout.payload_bytes, seconds)
+                self._stats.probed(incoming.transport, "", layout.payload_bytes, seconds)
             self._spawn(self._drop(transfer_id, 0.0))
 
         incoming = IncomingTransfer(ReceivePlan(transfer_id, token, layout), views, verified)
@@ -87,6 +87,7 @@ class ProbeSink:
             lease_epoch=0,
             num_cached_tokens=0,
             lease_ttl_s=body.ttl_s,
+            instance_id=self._receiver.instance.hex(),
         )
 
     async def _drop(self, transfer_id: bytes, after_s: float) -> None:

@@ -54,6 +54,11 @@ class TransportStats:
         """A send used `used` although the peer offered the better `wanted`."""
         self.downgrades[(wanted, used, reason)] += 1
 
+    def probed(self, transport: str, peer: str, num_bytes: int, seconds: float) -> None:
+        """One pair probe's transfer (`worker/kv/probe.py`), either side: the peer's rate
+        only; the byte and handoff counters are the handoffs'."""
+        self._rate(transport, peer, num_bytes, seconds)
+
     def _done(
         self, transport: str, direction: str, peer: str, num_bytes: int, seconds: float
     ) -> bool:
@@ -62,18 +67,22 @@ class TransportStats:
         slow = is_slow(transport, num_bytes, seconds)
         if slow:
             self.slow[transport] += 1
-        if num_bytes >= MIN_BYTES_FOR_RATE and seconds > 0:
-            gbps = num_bytes / seconds / 1e9
-            pair = self.pairs.get((transport, peer))
-            if pair is None:
-                self.pairs[(transport, peer)] = PairRate(gbps, 1, slow)
-            else:
-                pair.gbps += _EWMA_ALPHA * (gbps - pair.gbps)
-                pair.num_transfers += 1
-                pair.slow = is_slow(
-                    transport, MIN_BYTES_FOR_RATE, MIN_BYTES_FOR_RATE / pair.gbps / 1e9
-                )
+        self._rate(transport, peer, num_bytes, seconds)
         return slow
+
+    def _rate(self, transport: str, peer: str, num_bytes: int, seconds: float) -> None:
+        if num_bytes < MIN_BYTES_FOR_RATE or seconds <= 0:
+            return
+        gbps = num_bytes / seconds / 1e9
+        pair = self.pairs.get((transport, peer))
+        if pair is None:
+            self.pairs[(transport, peer)] = PairRate(
+                gbps, 1, is_slow(transport, num_bytes, seconds)
+            )
+            return
+        pair.gbps += _EWMA_ALPHA * (gbps - pair.gbps)
+        pair.num_transfers += 1
+        pair.slow = is_slow(transport, MIN_BYTES_FOR_RATE, MIN_BYTES_FOR_RATE / pair.gbps / 1e9)
 
     def problems(self) -> list[str]:
         """Health problems: peers whose moving-average rate is far below the transport's."""

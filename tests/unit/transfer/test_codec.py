@@ -406,8 +406,14 @@ def test_decoder_bounds_are_configurable() -> None:
         (forge_header(MsgType.HELLO, data_len=8), ProtocolError),  # data on a control frame
         (forge_header(MsgType.CHUNK, data_len=0), ProtocolError),  # a chunk without data
         (b"XDKV" + forge_header()[4:], BadMagic),
-        (forge_header()[:4] + b"\x01" + forge_header()[5:], UnsupportedVersion),  # old
-        (forge_header()[:4] + b"\x03" + forge_header()[5:], UnsupportedVersion),  # future
+        (
+            forge_header()[:4] + bytes([PROTOCOL_VERSION - 1]) + forge_header()[5:],
+            UnsupportedVersion,
+        ),  # old
+        (
+            forge_header()[:4] + bytes([PROTOCOL_VERSION + 1]) + forge_header()[5:],
+            UnsupportedVersion,
+        ),  # future
     ],
 )
 def test_well_checksummed_but_invalid_headers_are_refused(header: bytes, error: type) -> None:

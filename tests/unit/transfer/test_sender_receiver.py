@@ -176,6 +176,34 @@ def test_unknown_transfer_is_refused() -> None:
         run(send(pair))
 
 
+def test_a_transfer_reserved_by_a_previous_life_is_refused_as_such() -> None:
+    """Restarted at the same address, the decode process knows nothing of the transfer; the
+    sender's Hello names the instance the reservation came from, so the refusal says so (not
+    retried: that life and its reservation are gone)."""
+    pair = make_pair()
+    restarted = KVReceiver(FP, instance=bytes.fromhex("b2" * 8))  # type: ignore[arg-type]
+    pair.receiver = restarted
+    session = SenderSession(pair.transfer.transfer_id, FP, peer_instance=bytes.fromhex("a1" * 8))
+
+    async def go() -> None:
+        try:
+            await send_with_retries(pair.connect, session, pair.transfer, FAST, deadline=1e12)
+        finally:
+            for t in pair.tasks:
+                t.cancel()
+            await asyncio.gather(*pair.tasks, return_exceptions=True)
+
+    with pytest.raises(TransferRefused, match="STALE_INSTANCE.*a1a1a1a1a1a1a1a1") as info:
+        run(go())
+    assert not info.value.retryable
+    # The same Hello to the life that made the reservation would have been taken.
+    fresh = make_pair()
+    fresh.receiver.instance = bytes.fromhex("a1" * 8)
+    same = SenderSession(fresh.transfer.transfer_id, FP, peer_instance=bytes.fromhex("a1" * 8))
+    report = run(send_with_retries(fresh.connect, same, fresh.transfer, FAST, deadline=1e12))
+    assert report.attempts == 1 and landed(fresh)  # type: ignore[attr-defined]
+
+
 def test_lease_released_on_ack_only_and_fenced_before_each_attempt() -> None:
     clock = FakeClock()
     table = LeaseTable(clock)
