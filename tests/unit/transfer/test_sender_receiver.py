@@ -193,7 +193,7 @@ def test_a_transfer_reserved_by_a_previous_life_is_refused_as_such() -> None:
                 t.cancel()
             await asyncio.gather(*pair.tasks, return_exceptions=True)
 
-    with pytest.raises(TransferRefused, match="STALE_INSTANCE.*a1a1a1a1a1a1a1a1") as info:
+    with pytest.raises(TransferRefused, match=r"STALE_INSTANCE.*a1a1a1a1a1a1a1a1") as info:
         run(go())
     assert not info.value.retryable
     # The same Hello to the life that made the reservation would have been taken.
