@@ -88,14 +88,15 @@ def pair_key(prefill: WorkerView, decode: WorkerView) -> PairKey:
 def pairs_due(
     views: Sequence[WorkerView], probed: Callable[[PairKey], bool]
 ) -> list[tuple[WorkerView, WorkerView]]:
-    """Pairs to probe: a healthy, not draining prefill-role and decode-role worker of one
-    fingerprint group, not yet probed (`probed`) as the processes they are now."""
+    """Pairs to probe: a prefill-role worker and a decode candidate (role decode or both) of
+    one fingerprint group, both healthy and not draining, not yet probed (`probed`) as the
+    processes they are now. A pool with no prefill-role worker has no pairs to probe."""
 
-    def live(v: WorkerView, role: str) -> bool:
-        return v.healthy and v.health is not None and not v.health.draining and v.role == role
+    def live(v: WorkerView, roles: tuple[str, ...]) -> bool:
+        return v.healthy and v.health is not None and not v.health.draining and v.role in roles
 
-    prefills = [v for v in views if live(v, "prefill")]
-    decodes = [v for v in views if live(v, "decode")]
+    prefills = [v for v in views if live(v, ("prefill",))]
+    decodes = [v for v in views if live(v, ("decode", "both"))]
     due = []
     for d in decodes:
         assert d.health is not None

@@ -36,7 +36,7 @@ def restarted(v: WorkerView, instance: str) -> WorkerView:
     return dataclasses.replace(v, health=v.health.model_copy(update={"instance_id": instance}))
 
 
-def test_pairs_are_prefill_by_decode_within_a_fingerprint_group() -> None:
+def test_pairs_are_prefill_by_decode_candidate_within_a_fingerprint_group() -> None:
     views = [
         view(0, "prefill"),
         view(1, "prefill", digest="B"),
@@ -46,7 +46,13 @@ def test_pairs_are_prefill_by_decode_within_a_fingerprint_group() -> None:
         view(5, "decode", digest="B"),
     ]
     due = [(p.url, d.url) for p, d in pairs_due(views, lambda key: False)]
-    assert due == [("http://w0", "http://w2"), ("http://w1", "http://w5")]
+    assert due == [
+        ("http://w0", "http://w2"),
+        ("http://w0", "http://w4"),
+        ("http://w1", "http://w5"),
+    ]
+    # Only `both` workers (colocated): nothing would hand KV over, nothing is probed.
+    assert pairs_due([view(0, "both"), view(1, "both")], lambda key: False) == []
 
 
 def test_a_probed_pair_is_due_again_only_as_new_processes() -> None:
