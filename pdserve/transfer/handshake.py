@@ -7,6 +7,7 @@ named `hello`.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import struct
@@ -18,30 +19,21 @@ from pdserve.transfer.session import FingerprintCompare, FingerprintMap
 from pdserve.transfer.wire import encode_fingerprint
 
 
-def mac(
-    key: bytes | None,
-    role: Role,
-    transfer_id: bytes,
-    attempt: int,
-    fingerprint: FingerprintMap,
-    peer_instance: bytes = b"",
-) -> bytes:
+def mac(key: bytes | None, hello: Hello, transfer_id: bytes, attempt: int) -> bytes:
     """The `Hello.auth` tag: HMAC-SHA256 under the cluster's KV key over what the Hello says
-    and which attempt of which transfer it opens; b"" when the cluster has no secret."""
+    (its `auth` aside) and which attempt of which transfer it opens; b"" without a secret."""
     if key is None:
         return b""
     tag = hmac.new(key, b"pdkv3 hello", hashlib.sha256)
-    tag.update(struct.pack("<B16sI", int(role), transfer_id, attempt))
-    tag.update(encode_fingerprint(fingerprint))
-    tag.update(struct.pack("<B", len(peer_instance)) + peer_instance)
+    tag.update(struct.pack("<B16sI", int(hello.role), transfer_id, attempt))
+    tag.update(encode_fingerprint(hello.fingerprint))
+    tag.update(struct.pack("<B", len(hello.peer_instance)) + hello.peer_instance)
     return tag.digest()
 
 
 def peer_mac(key: bytes | None, header: FrameHeader, hello: Hello) -> bytes:
     """The MAC a peer's Hello must carry for the transfer (or link) and attempt it opens."""
-    return mac(
-        key, hello.role, header.transfer_id, header.attempt, hello.fingerprint, hello.peer_instance
-    )
+    return mac(key, hello, header.transfer_id, header.attempt)
 
 
 def own_hello(
@@ -54,8 +46,8 @@ def own_hello(
 ) -> Hello:
     """This side's Hello for one attempt: this build's protocol, its fingerprint and MAC, and
     the peer's instance it is meant for (b"": any)."""
-    auth = mac(key, role, transfer_id, attempt, fingerprint, peer_instance)
-    return Hello(PROTOCOL_VERSION, role, dict(fingerprint), auth, peer_instance)
+    hello = Hello(PROTOCOL_VERSION, role, dict(fingerprint), b"", peer_instance)
+    return dataclasses.replace(hello, auth=mac(key, hello, transfer_id, attempt))
 
 
 def problem(

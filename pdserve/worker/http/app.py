@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 
@@ -78,7 +77,7 @@ from pdserve.worker.http.token_stream import TokenStreamer, end_stream
 from pdserve.worker.kv import canary as kv_canary
 from pdserve.worker.kv.events import KVEventStreams
 from pdserve.worker.kv.inbox import KVInbox, Received
-from pdserve.worker.kv.outbox import KVOutbox, parse_destination
+from pdserve.worker.kv.outbox import KVOutbox
 from pdserve.worker.lease_keeper import LeaseKeeper
 
 
@@ -238,13 +237,7 @@ class WorkerAPI:
         probe reservation the router signed (checked as a handoff's is)."""
         outbox = self._need_outbox("/kv_probe/send")
         body = await parse_body(request, ProbeSendRequest)
-        destination = parse_destination(
-            body.reservation,
-            key=self.config.reservation_key,
-            now_s=time.time(),
-            local=self.local_transports,
-            explicit=self.config.kv_transport != "auto",
-        )
+        destination = self.prefills.destination(body.reservation)
         return json_body(await outbox.probe(destination, body.num_bytes))
 
     def _refuse_if_draining(self, request_id: str) -> None:

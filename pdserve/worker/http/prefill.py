@@ -21,7 +21,13 @@ from pdserve.engine.engine import Engine
 from pdserve.errors import ConfigError, DeadlineExceeded, EngineError
 from pdserve.faults import FaultInjector, FaultSite, perform
 from pdserve.observability.timeline_log import EventRing
-from pdserve.protocol.worker_api import LogprobModel, PrefillRequest, PrefillResult, Transport
+from pdserve.protocol.worker_api import (
+    LogprobModel,
+    PrefillRequest,
+    PrefillResult,
+    SignedReservation,
+    Transport,
+)
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.http.bodies import json_body, parse_body
@@ -43,6 +49,17 @@ class Prefills:
     local_transports: tuple[Transport, ...]
     admitted: Callable[[str], contextlib.AbstractContextManager[None]]
 
+    def destination(self, signed: SignedReservation) -> Destination:
+        """Where a reservation the router signed points, checked as every send's is (its
+        signature, expiry, and a transport both sides have), before anything is spent."""
+        return parse_destination(
+            signed,
+            key=self.config.reservation_key,
+            now_s=time.time(),
+            local=self.local_transports,
+            explicit=self.config.kv_transport != "auto",
+        )
+
     async def handle(self, request: web.Request, outbox: KVOutbox) -> web.Response:
         """POST /prefill PrefillRequest -> PrefillResult; the KV send continues after."""
         body = await parse_body(request, PrefillRequest)
@@ -50,13 +67,7 @@ class Prefills:
         destination = None
         if body.reservation is not None:
             # Before any prefill: a forged, expired or unreachable reservation costs nothing.
-            destination = parse_destination(
-                body.reservation,
-                key=self.config.reservation_key,
-                now_s=time.time(),
-                local=self.local_transports,
-                explicit=self.config.kv_transport != "auto",
-            )
+            destination = self.destination(body.reservation)
             n, m = destination.num_cached_tokens, len(body.prompt_token_ids)
             if n > m:
                 # Nothing would be sent, and the decode side would wait out its KV timeout.

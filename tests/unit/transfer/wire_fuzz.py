@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from pdserve.transfer.byte_ranges import split_payload
 from pdserve.transfer.codec import HEADER, HEADER_BYTES, Envelope, data_checksum, encode
-from pdserve.transfer.handshake import mac as hello_mac
+from pdserve.transfer.handshake import own_hello
 from pdserve.transfer.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -115,9 +115,8 @@ def script(
 ) -> list[bytes]:
     """Every frame a correct sender sends for one attempt, in order."""
     tid = spec.transfer_id
-    auth = hello_mac(key, Role.PREFILL, tid, attempt, FP)
     messages: list[tuple[Message, bytes]] = [
-        (Hello(PROTOCOL_VERSION, Role.PREFILL, FP, auth), b""),
+        (own_hello(key, Role.PREFILL, tid, attempt, FP), b""),
         (spec.begin(), b""),
     ]
     chunks = []
