@@ -23,9 +23,10 @@ install: .venv/.installed
 # own), iproute2 (`ip netns` for the multi-host tests, `tc` for a slow link) and iptables
 # (packet loss and partitions for the network fault tests).
 system-deps:
-	@command -v etcd >/dev/null && command -v ip >/dev/null && command -v iptables >/dev/null || \
+	@command -v etcd >/dev/null && command -v ip >/dev/null && command -v iptables >/dev/null \
+		&& command -v openssl >/dev/null || \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-		etcd-server iproute2 iptables; }
+		etcd-server iproute2 iptables openssl; }
 
 # Router + 1 prefill + 1 decode worker on http://127.0.0.1:8000, embedded tiny model; Ctrl-C stops all.
 run: install

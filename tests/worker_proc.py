@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -63,8 +64,10 @@ class WorkerHandle:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
-def _get_json(url: str, timeout_s: float) -> dict[str, object]:
-    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+def _get_json(
+    url: str, timeout_s: float, context: ssl.SSLContext | None = None
+) -> dict[str, object]:
+    with urllib.request.urlopen(url, timeout=timeout_s, context=context) as response:
         data: dict[str, object] = json.loads(response.read())
         return data
 
@@ -95,8 +98,13 @@ def launch_worker(
     return WorkerHandle("", proc.pid, proc, role, log_path, ready)
 
 
-def wait_ready(handle: WorkerHandle, timeout_s: float = STARTUP_TIMEOUT_S) -> WorkerHandle:
-    """Wait for the ready file and a /health answer; stop the worker (by PID) on failure."""
+def wait_ready(
+    handle: WorkerHandle,
+    timeout_s: float = STARTUP_TIMEOUT_S,
+    context: ssl.SSLContext | None = None,
+) -> WorkerHandle:
+    """Wait for the ready file and a /health answer (over TLS with `context`); stop the worker
+    (by PID) on failure."""
     try:
         deadline = time.monotonic() + timeout_s
         while not handle.ready_file.exists():
@@ -110,7 +118,7 @@ def wait_ready(handle: WorkerHandle, timeout_s: float = STARTUP_TIMEOUT_S) -> Wo
                 )
             time.sleep(0.05)
         handle.url = str(json.loads(handle.ready_file.read_text())["url"])
-        handle.health = _get_json(f"{handle.url}/health", timeout_s=10.0)
+        handle.health = _get_json(f"{handle.url}/health", timeout_s=10.0, context=context)
     except BaseException:
         handle.stop(timeout_s=2.0)
         raise

@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -70,7 +71,9 @@ from pdlab.bench.transfer_stats import (
     Samples,
     TransferReport,
 )
+from pdlab.tls_certs import make_cert_set
 from pdserve.advise.flags import at_least, checked, integers, one_integer
+from pdserve.auth.tls import TLSConfig, client_context
 from pdserve.errors import ConfigError, PdserveError
 from pdserve.protocol.worker_api import Transport
 from pdserve.transfer.byte_ranges import DEFAULT_FRAME_BYTES, payload_views, split_payload
@@ -79,8 +82,9 @@ from pdserve.transfer.messages import token_digest
 from pdserve.transfer.nixl_transport import nixl_available
 from pdserve.transfer.sender import OutgoingTransfer, SendPolicy, send_with_retries
 from pdserve.transfer.sender_session import SenderSession
-from pdserve.transfer.stream import ByteStream
+from pdserve.transfer.stream import Address, ByteStream
 from pdserve.transfer.tcp import TcpConfig, configure_socket
+from pdserve.transfer.tls_stream import open_tls_stream
 from pdserve.worker.kv import transports as kv_transports
 from pdserve.worker.kv.connections import ConnectionPool
 from pdserve.worker.lease_keeper import LeaseKeeper
@@ -124,7 +128,7 @@ class TransferBenchConfig:
         help="KV sizes per handoff in KiB, comma-separated (whole blocks)",
     )
     transports: tuple[str, ...] = checked(
-        tuple(TARGETS), _transports, help="comma-separated, from tcp,shm,nixl"
+        ("tcp", "shm", "nixl"), _transports, help="comma-separated, from tcp,shm,nixl,tls"
     )
     num_runs: int = checked(5, at_least(1), name="runs", help="timed runs per cell (median counts)")
     num_warmup: int = checked(1, at_least(0), name="warmup", help="untimed runs before them")
@@ -150,7 +154,7 @@ class TransferBenchConfig:
                 raise ConfigError(f"--sizes-kib: {exc}") from None
         unknown = [t for t in self.transports if t not in TARGETS]
         if unknown or not self.transports:
-            raise ConfigError(f"--transports: expected names from tcp,shm,nixl, got {unknown}")
+            raise ConfigError(f"--transports: expected names from tcp,shm,nixl,tls, got {unknown}")
         if not 1 <= self.frame_bytes <= MAX_DATA_BYTES:
             raise ConfigError(
                 f"--frame-kib: must be 1..{MAX_DATA_BYTES // 1024} KiB, got {self.frame_bytes} bytes"
@@ -256,10 +260,19 @@ class _Sender:
         self.fingerprint = fingerprint
         self.key = key
         self.leases = LeaseKeeper()
-        self.pool = ConnectionPool(kv_transports.connect)
+        self.pool = ConnectionPool(self._connect)
+        # Set by `measure` when TLS is measured: how the "tls" target dials.
+        self.tls_client: ssl.SSLContext | None = None
         self.policy = SendPolicy(frame_bytes=config.frame_bytes)
         self.num_handoffs = 0
         self.raw: socket.socket | None = None
+
+    async def _connect(self, transport: Transport, address: Address) -> ByteStream:
+        # "tls" is TCP in mutual TLS, as a worker with --tls-* dials its KV peers.
+        if transport == "tls":
+            assert self.tls_client is not None
+            return await open_tls_stream(address, self.tls_client)
+        return await kv_transports.connect(transport, address)
 
     def memcpy(self, num_bytes: int) -> tuple[float, float]:
         """One copy of `num_bytes` of KV memory into a pre-touched buffer: (seconds, CPU
@@ -473,17 +486,21 @@ async def measure(config: TransferBenchConfig, workdir: Path) -> TransferReport:
         "dtype": spec.dtype,
     }
     key = os.urandom(32)
+    certs = make_cert_set(workdir / "tls", "bench") if "tls" in transports else None
     setup = PeerSetup(
         spec,
         config.num_blocks,
         tuple(transports),  # type: ignore[arg-type]
         fingerprint,
         key,
+        None if certs is None else (str(certs.cert), str(certs.key), str(certs.ca)),
     )
     peer = _PeerProcess(setup, workdir)
     sender: _Sender | None = None
     try:
         sender = _Sender(config, fingerprint, key)
+        if certs is not None:
+            sender.tls_client = client_context(TLSConfig(certs.cert, certs.key, certs.ca))
         ready = await peer.ready()
         report.unavailable.update(ready.unavailable)
         transports = [t for t in transports if t in ready.ports]

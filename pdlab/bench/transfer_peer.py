@@ -31,12 +31,14 @@ import sys
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import numpy as np
 import torch
 import xxhash
 
 from pdlab.bench.transfer_stats import LayoutSpec
+from pdserve.auth.tls import TLSConfig, server_context
 from pdserve.engine.kv_cache import KVCache
 from pdserve.protocol.worker_api import Transport
 from pdserve.transfer.byte_ranges import payload_views, split_payload
@@ -47,6 +49,7 @@ from pdserve.transfer.receiver_session import ReceivePlan
 from pdserve.transfer.sender import LeaseHandle
 from pdserve.transfer.session import FingerprintMap
 from pdserve.transfer.tcp import TcpConfig, TcpServer, configure_socket
+from pdserve.transfer.tls_stream import TlsServer, serve_tls
 from pdserve.worker.kv import transports as kv_transports
 from pdserve.worker.lease_keeper import LeaseKeeper
 
@@ -60,6 +63,8 @@ class PeerSetup:
     transports: tuple[Transport, ...]
     fingerprint: FingerprintMap
     cluster_key: bytes
+    # (cert, key, CA) PEM paths when the "tls" target is measured.
+    tls: tuple[str, str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,7 +238,7 @@ class _Peer:
         self.receiver = KVReceiver(setup.fingerprint, cluster_key=setup.cluster_key)
         self.leases = LeaseKeeper()
         self.reservations: dict[bytes, _Reservation] = {}
-        self.servers: list[TcpServer] = []
+        self.servers: list[TcpServer | TlsServer] = []
         self.raw = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.raw.bind(("127.0.0.1", 0))
         self.raw.listen(1)
@@ -244,15 +249,24 @@ class _Peer:
         ports: dict[str, int] = {}
         unavailable: dict[str, str] = {}
         for transport in self.setup.transports:
+            handler = functools.partial(self.receiver.handle, transport=transport)
             try:
-                server = await kv_transports.serve(
-                    transport,
-                    functools.partial(self.receiver.handle, transport=transport),
-                    "127.0.0.1",
-                    0,
-                    handshake_timeout_s=self.receiver.limits.handshake_timeout_s,
-                    max_connections=8,
-                )
+                server: TcpServer | TlsServer
+                if transport == "tls":
+                    assert self.setup.tls is not None
+                    cert, key, ca = (Path(p) for p in self.setup.tls)
+                    context = server_context(TLSConfig(cert, key, ca))
+                    assert context is not None
+                    server = await serve_tls(handler, "127.0.0.1", 0, context, max_connections=8)
+                else:
+                    server = await kv_transports.serve(
+                        transport,
+                        handler,
+                        "127.0.0.1",
+                        0,
+                        handshake_timeout_s=self.receiver.limits.handshake_timeout_s,
+                        max_connections=8,
+                    )
             except Exception as exc:  # a transport that cannot serve here is reported
                 unavailable[transport] = f"{type(exc).__name__}: {exc}"
                 continue

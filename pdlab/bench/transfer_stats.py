@@ -45,6 +45,8 @@ TARGETS: dict[str, tuple[Baseline, float]] = {
     "tcp": (Baseline.RAW_SOCKET, 0.8),
     "shm": (Baseline.MEMCPY, 0.5),
     "nixl": (Baseline.MEMCPY, 0.5),
+    # TCP in mutual TLS (`--tls-*`): encryption and a copy each way, against the raw socket.
+    "tls": (Baseline.RAW_SOCKET, 0.25),
 }
 # The checksum may cost at most this share of a side's transfer time.
 MAX_CHECKSUM_SHARE = 0.10

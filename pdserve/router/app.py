@@ -27,6 +27,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from pdserve.auth.tls import client_context, http_connector
 from pdserve.clock import Clock, MonotonicClock
 from pdserve.errors import (
     ConfigError,
@@ -321,7 +322,7 @@ async def create_app(config: RouterConfig, clock: Clock | None = None) -> web.Ap
             )
         max_model_len = config.max_model_len
     membership = open_membership(config.discovery, config.workers, config.membership_key)
-    session = aiohttp.ClientSession()
+    session = aiohttp.ClientSession(connector=http_connector(client_context(config.tls)))
     client = WorkerClient(session, ClientTimeouts(), key=config.http_key)
     queue = CapacityQueue(config.recovery.max_queued)
 

@@ -8,6 +8,7 @@ from typing import Literal
 
 from pdserve.auth.keys import ADMIN_KEY_FILE, API_KEY_FILE, METRICS_KEY_FILE, BearerKey
 from pdserve.auth.secret import SECRET_FILE, ClusterSecret
+from pdserve.auth.tls import TLSConfig
 from pdserve.errors import ConfigError
 from pdserve.faults import parse_rules
 from pdserve.membership.uri import parse_discovery
@@ -261,6 +262,8 @@ class RouterConfig:
         help="MiB of throwaway KV timed over each new prefill/decode pair (0: no probes);"
         " slow pairs are reported and steered around",
     )
+    # Certificates for its API and its calls to workers (`auth/tls.py`).
+    tls: TLSConfig = field(default_factory=TLSConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     affinity: AffinityConfig = field(default_factory=AffinityConfig)

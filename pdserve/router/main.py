@@ -21,6 +21,7 @@ from pathlib import Path
 from aiohttp import web
 
 from pdserve.auth.keys import refuse_keys_on_argv
+from pdserve.auth.tls import TLSConfig, server_context
 from pdserve.config_file import add_config_flag
 from pdserve.errors import PdserveError
 from pdserve.router.access import exposed_warnings
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_fields(p, RouterConfig, groups=(None, "security"), skip=("cluster_secret",))
     add_policy_flags(p)
     add_fields(p, RouterConfig, only=("cluster_secret",))
+    add_fields(p.add_argument_group("TLS (auth/tls.py)"), TLSConfig, prefix="tls-")
     return p
 
 
@@ -48,7 +50,8 @@ def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
     refuse_keys_on_argv(argv)
     parser = build_parser()
     args = parse_args(parser, argv)
-    config = build(RouterConfig, args, **policy_configs(args))
+    tls = build(TLSConfig, args, prefix="tls-")
+    config = build(RouterConfig, args, tls=tls, **policy_configs(args))
     config.chat_template_text()  # a bad --chat-template fails here, at start
     return config
 
@@ -67,11 +70,11 @@ async def serve(config: RouterConfig) -> None:
     # request's flow, which releases what the workers hold (streaming or not).
     runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
+    site = web.TCPSite(runner, config.host, config.port, ssl_context=server_context(config.tls))
     await site.start()
     # With --port 0 the kernel picked the port; the runner knows the bound address.
     port = runner.addresses[0][1]
-    url = f"http://{config.host}:{port}"
+    url = f"{config.tls.scheme}://{config.host}:{port}"
     log = logging.getLogger(__name__)
     log.info("router listening on %s (mode %s)", url, config.mode)
     for warning in exposed_warnings(config.host, config.access_keys):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.auth.secret import SECRET_FILE, ClusterSecret
+from pdserve.auth.tls import TLSConfig
 from pdserve.config import EngineConfig
 from pdserve.errors import ConfigError
 from pdserve.faults import parse_rules
@@ -41,6 +42,8 @@ class WorkerConfig:
     # Seconds between lease-expiry sweeps.
     reap_interval_s: float = 0.5
     engine: EngineConfig = field(default_factory=EngineConfig)
+    # Certificates for its HTTP, its calls to other workers and the KV TCP path (`auth/tls.py`).
+    tls: TLSConfig = field(default_factory=TLSConfig)
     # Deadline of each KV chunk send and reply: how fast a stalled link is noticed.
     transfer_chunk_timeout_s: float = setting(
         2.0, help="deadline of each KV chunk send and reply (a stalled link is noticed this fast)"

@@ -21,6 +21,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from pdserve.auth.tls import TLSConfig
 from pdserve.config import ModelLoadConfig
 from pdserve.config_file import add_config_flag
 from pdserve.errors import ConfigError, PdserveError
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(p)
     add_config_flag(p)
     add_fields(p, WorkerConfig)
+    add_fields(p.add_argument_group("TLS (auth/tls.py)"), TLSConfig, prefix="tls-")
     return p
 
 
@@ -72,6 +74,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         args,
         worker_id=args.worker_id or _default_worker_id(args),
         engine=engine,
+        tls=build(TLSConfig, args, prefix="tls-"),
     )
 
 

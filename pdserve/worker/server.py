@@ -26,6 +26,7 @@ import aiohttp
 from aiohttp import web
 
 from pdserve.auth.signing import CallVerifier, call_target
+from pdserve.auth.tls import client_context, http_connector, server_context
 from pdserve.engine.engine import Engine
 from pdserve.engine.kv_events import KVEventLog
 from pdserve.faults import FaultInjector, parse_rules
@@ -95,6 +96,8 @@ class Worker:
     async def start(self) -> str:
         """Bring every part up; returns the HTTP URL once it listens."""
         c = self.config
+        tls_server, tls_client = server_context(c.tls), client_context(c.tls)
+        kv_transports.configure_tls(tls_server, tls_client)
         # An explicit transport that cannot work here fails the start, naming why.
         transports = kv_transports.local_transports(c.kv_transport)
         kv_transports.prewarm(transports)  # in a thread, while the engine loads
@@ -127,7 +130,7 @@ class Worker:
                 chunk_timeout_s=c.transfer_chunk_timeout_s, frame_bytes=c.kv_frame_bytes
             )
             # For the give-up notices to decode workers (the only calls a worker makes).
-            self._session = aiohttp.ClientSession()
+            self._session = aiohttp.ClientSession(connector=http_connector(tls_client))
             self.outbox = KVOutbox(
                 self.engine,
                 info,
@@ -173,10 +176,10 @@ class Worker:
             shutdown_timeout=SHUTDOWN_TIMEOUT_S,
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, c.host, c.port)
+        site = web.TCPSite(self._runner, c.host, c.port, ssl_context=tls_server)
         await site.start()
         host, port = self._runner.addresses[0][:2]
-        self.url = f"http://{host}:{port}"
+        self.url = f"{c.tls.scheme}://{host}:{port}"
         if c.discovery is not None:
             # Only now can routers reach both endpoints; the ready file follows, so a
             # launcher that sees it also finds the worker registered.
@@ -199,7 +202,7 @@ class Worker:
         if self.inbox is not None:
             transfer = f"{host}:{self.inbox.address.rpartition(':')[2]}"
         return Member(
-            url=f"http://{host}:{port}",
+            url=f"{c.tls.scheme}://{host}:{port}",
             worker_id=c.worker_id or f"{c.role}-{os.getpid()}",
             instance_id=self.instance_id,
             role=c.role,

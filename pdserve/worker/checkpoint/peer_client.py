@@ -11,12 +11,14 @@ It knows aiohttp and the protocol models; not what the calls mean.
 
 from __future__ import annotations
 
+import ssl
 from typing import TypeVar
 
 import aiohttp
 from pydantic import BaseModel, ValidationError
 
 from pdserve.auth.signing import auth_headers
+from pdserve.auth.tls import http_connector
 from pdserve.errors import PeerCallError
 from pdserve.protocol.worker_api import ErrorBody
 
@@ -26,14 +28,17 @@ M = TypeVar("M", bound=BaseModel)
 class PeerClient:
     """Signed JSON POSTs to other workers."""
 
-    def __init__(self, key: bytes | None, timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, key: bytes | None, tls: ssl.SSLContext | None = None, timeout_s: float = 5.0
+    ) -> None:
         self._key = key
+        self._tls = tls
         self._timeout_s = timeout_s
         self._session: aiohttp.ClientSession | None = None
 
     def _open(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession()
+            self._session = aiohttp.ClientSession(connector=http_connector(self._tls))
         return self._session
 
     async def post(

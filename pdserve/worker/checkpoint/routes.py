@@ -21,6 +21,7 @@ from aiohttp import web
 from prometheus_client.metrics_core import Metric
 from pydantic import BaseModel
 
+from pdserve.auth.tls import client_context
 from pdserve.checkpoint.host_tier import HostTier
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestDelta
@@ -71,7 +72,7 @@ class CheckpointService:
             chunk_timeout_s=config.transfer_chunk_timeout_s, frame_bytes=config.kv_frame_bytes
         )
         self.sender = BlockSender(info, policy, config.kv_key)
-        self.peers = PeerClient(config.http_key)
+        self.peers = PeerClient(config.http_key, client_context(config.tls))
         tier = HostTier(config.checkpoint_capacity_mb << 20, info.block_size, info.block_bytes)
         self.store = CheckpointStore(
             tier, info, inbox.receiver, lambda: inbox.endpoints, self.sender

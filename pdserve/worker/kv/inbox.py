@@ -52,6 +52,7 @@ from pdserve.transfer.receiver import IncomingTransfer, KVReceiver, ReceiverLimi
 from pdserve.transfer.receiver_session import ReceivePlan
 from pdserve.transfer.sender import LeaseHandle
 from pdserve.transfer.tcp import TcpServer
+from pdserve.transfer.tls_stream import TlsServer
 from pdserve.worker.engine_loop import EngineInfo, EngineLoop
 from pdserve.worker.kv import transports as kv_transports
 from pdserve.worker.kv.probe import ProbeSink
@@ -138,7 +139,7 @@ class KVInbox:
         self._cancelling: dict[str, asyncio.Task[int]] = {}
         # Cancellations the lease reaper started (kept referenced until they end).
         self._spawned: set[asyncio.Task[int]] = set()
-        self._servers: list[tuple[Transport, TcpServer]] = []
+        self._servers: list[tuple[Transport, TcpServer | TlsServer]] = []
         self._advertise_host: str | None = None
         self.num_cancelled = 0
         # Timeline events (reserved, kv_verified, reservation_cancelled); None: not recorded.
@@ -178,7 +179,7 @@ class KVInbox:
         by_transport = dict(self._servers)
         return self._advertised(by_transport.get("tcp", self._servers[0][1]))
 
-    def _advertised(self, server: TcpServer) -> str:
+    def _advertised(self, server: TcpServer | TlsServer) -> str:
         host, port = server.address
         host = self._advertise_host or host
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -13,6 +13,10 @@ and why, and the outbox logs and counts it. With an explicit transport a worker 
 only; if the peer cannot meet it, that is an error naming why (at start when the transport
 itself is missing, at reservation when the peer lacks it), never a quiet downgrade.
 
+With TLS (`auth/tls.py`) the KV path is TCP wrapped in mutual TLS and nothing else:
+`configure_tls` is called once at worker start, and every KV connection this process serves or
+dials from then on (handoffs, probes, checkpoint links, resume pulls) goes through it.
+
 It knows transports, addresses and host identity; not sessions, leases or engines.
 """
 
@@ -22,6 +26,7 @@ import functools
 import hashlib
 import os
 import socket
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +43,7 @@ from pdserve.transfer.nixl_transport import (
 from pdserve.transfer.shm import SHM_DIR, ShmConfig, open_shm_stream, serve_shm
 from pdserve.transfer.stream import Address, ByteStream, StreamHandler
 from pdserve.transfer.tcp import TcpServer, open_tcp_stream, serve_tcp
+from pdserve.transfer.tls_stream import TlsServer, open_tls_stream, serve_tls
 
 # Best first: what `auto` prefers when both ends have it.
 PREFERENCE: tuple[Transport, ...] = ("nixl", "shm", "tcp")
@@ -68,9 +74,30 @@ def host_id() -> str:
     return hashlib.sha256("/".join(parts).encode()).hexdigest()[:16]
 
 
+@dataclass(slots=True)
+class _Tls:
+    server: ssl.SSLContext | None = None
+    client: ssl.SSLContext | None = None
+
+
+# Set once per worker process (`configure_tls`); None contexts: plaintext.
+_TLS = _Tls()
+
+
+def configure_tls(server: ssl.SSLContext | None, client: ssl.SSLContext | None) -> None:
+    """Serve and dial every KV connection of this process with these contexts (None: plain)."""
+    _TLS.server, _TLS.client = server, client
+
+
 def local_transports(setting: str) -> tuple[Transport, ...]:
     """The transports this worker has for `--kv-transport setting`, best first; ConfigError
-    when an explicit one cannot work here."""
+    when an explicit one cannot work here (under TLS: anything but TCP)."""
+    if _TLS.server is not None:
+        if setting not in ("auto", "tcp"):
+            raise ConfigError(
+                f"kv-transport: {setting} carries no TLS; with --tls-cert the KV path is tcp"
+            )
+        return ("tcp",)
     if setting == "auto":
         return tuple(t for t in PREFERENCE if t != "nixl" or nixl_available())
     if setting == "nixl" and not nixl_available():
@@ -148,7 +175,7 @@ async def serve(
     *,
     handshake_timeout_s: float,
     max_connections: int | None,
-) -> TcpServer:
+) -> TcpServer | TlsServer:
     """Listen for KV connections over `transport` (its control socket on host:port), at most
     `max_connections` at once, each given `handshake_timeout_s` to set up its stream."""
     if transport == "nixl":
@@ -169,6 +196,8 @@ async def serve(
             handshake_timeout_s=handshake_timeout_s,
             max_connections=max_connections,
         )
+    if _TLS.server is not None:
+        return await serve_tls(handler, host, port, _TLS.server, max_connections=max_connections)
     return await serve_tcp(handler, host, port, max_connections=max_connections)
 
 
@@ -178,6 +207,8 @@ async def connect(transport: Transport, address: Address) -> ByteStream:
         return await open_nixl_stream(address, NIXL_CONFIG)
     if transport == "shm":
         return await open_shm_stream(address, SHM_CONFIG)
+    if _TLS.client is not None:
+        return await open_tls_stream(address, _TLS.client)
     return await open_tcp_stream(address)
 
 

@@ -95,6 +95,7 @@ def test_headline_ratios_are_taken_at_the_largest_size_and_the_share_is_the_wors
         "tcp_ratio_vs_raw_socket": True,
         "shm_ratio_vs_memcpy": False,
         "nixl_ratio_vs_memcpy": None,
+        "tls_ratio_vs_raw_socket": None,
         "checksum_share": False,
     }
 
