@@ -3,7 +3,7 @@
 Used for the KV path's TCP transport when the cluster is given certificates (`--tls-cert`,
 `--tls-key`, `--tls-ca`: `auth/tls.py`). Unlike `tcp.TcpStream` it copies: encryption needs the
 bytes in its own buffers, and a received record is decrypted into a buffer first, then copied
-into the caller's view (`receive_into`). `tls_transfer` in `pdserve bench transfer` measures
+into the caller's view (`receive_into`). `pdserve bench transfer --transports tls` measures
 what that costs against plain TCP.
 
 A stream is never reused across transfers (`reusable` is False): asyncio's reader does not say
@@ -27,6 +27,7 @@ from pdserve.transfer.stream import (
     Address,
     Buffer,
     ByteStream,
+    DirectionState,
     StreamHandler,
     byte_views,
     check_max_bytes,
@@ -35,10 +36,11 @@ from pdserve.transfer.stream import (
 
 logger = logging.getLogger(__name__)
 
-# Bytes handed to the SSL transport per write: bounded, so a large send drains as it goes.
-_WRITE_BYTES = 1 << 20
-# asyncio's reader buffer limit: one KV chunk (4 MiB by default) plus room.
-_READ_LIMIT = 16 << 20
+# Bytes handed to the SSL transport per write, and taken from the reader per read: a transfer
+# never holds more than a few of these in Python at once, whatever its size.
+_PIECE_BYTES = 1 << 20
+# asyncio's reader pauses the socket once this much decrypted data waits unread.
+_READ_LIMIT = 1 << 20
 
 
 class TlsStream(ByteStream):
@@ -51,56 +53,73 @@ class TlsStream(ByteStream):
         self._peer = f"{peer[0]}:{peer[1]}"
         self._send_lock = asyncio.Lock()
         self._receive_lock = asyncio.Lock()
+        self._send_state = DirectionState(f"tls {self._peer} send")
+        self._receive_state = DirectionState(f"tls {self._peer} receive")
         self._closed = False
 
     async def send(self, buffers: Sequence[Buffer]) -> None:
-        """Encrypt and write every byte of `buffers`, in order."""
+        """Encrypt and write every byte of `buffers`, in order, a piece at a time."""
         async with self._send_lock:
-            if self._closed:
-                raise PeerClosed(f"tls {self._peer}: send on a closed stream")
+            self._send_state.check()
+            num_sent = 0
             try:
                 for view in byte_views(buffers):
-                    for start in range(0, view.nbytes, _WRITE_BYTES):
-                        self._writer.write(view[start : start + _WRITE_BYTES])
+                    for start in range(0, view.nbytes, _PIECE_BYTES):
+                        piece = view[start : start + _PIECE_BYTES]
+                        self._writer.write(piece)
+                        num_sent += piece.nbytes
                         await self._writer.drain()
+            except asyncio.CancelledError:
+                if num_sent:
+                    self._send_state.break_(f"send cancelled after {num_sent} bytes")
+                raise
             except (ConnectionError, ssl.SSLError, RuntimeError) as exc:
+                self._send_state.check()  # closed here: StreamBroken, not the peer's doing
                 raise PeerClosed(f"tls {self._peer}: send failed: {exc}") from exc
 
     async def receive_into(self, view: memoryview) -> None:
-        """Fill all of `view`; `PeerClosed` at end of stream before that. A cancelled call
-        consumes nothing (the reader keeps what it buffered)."""
+        """Fill all of `view`; `PeerClosed` at end of stream before that."""
         target = writable_view(view)
         async with self._receive_lock:
-            try:
-                data = await self._reader.readexactly(target.nbytes)
-            except asyncio.IncompleteReadError as exc:
-                raise PeerClosed(
-                    f"tls {self._peer}: stream ended after {len(exc.partial)} of"
-                    f" {target.nbytes} bytes"
-                ) from None
-            except (ConnectionError, ssl.SSLError) as exc:
-                raise PeerClosed(f"tls {self._peer}: receive failed: {exc}") from exc
-            target[:] = data
+            self._receive_state.check()
+            await self._receive_state.fill(target, self._read_into, f"tls {self._peer}")
 
     async def receive_some(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
         """Between 1 and `max_bytes` bytes as soon as any arrive; b"" at end of stream."""
         check_max_bytes(max_bytes)
         async with self._receive_lock:
-            try:
-                return await self._reader.read(max_bytes)
-            except (ConnectionError, ssl.SSLError) as exc:
-                raise PeerClosed(f"tls {self._peer}: receive failed: {exc}") from exc
+            self._receive_state.check()
+            return await self._read(min(max_bytes, _PIECE_BYTES))
+
+    async def _read_into(self, view: memoryview) -> int:
+        data = await self._read(min(view.nbytes, _PIECE_BYTES))
+        view[: len(data)] = data
+        return len(data)
+
+    async def _read(self, max_bytes: int) -> bytes:
+        try:
+            data = await self._reader.read(max_bytes)
+        except (ConnectionError, ssl.SSLError) as exc:
+            self._receive_state.check()
+            raise PeerClosed(f"tls {self._peer}: receive failed: {exc}") from exc
+        # `aclose` ends the reader to wake a local receive: that is this side's close.
+        self._receive_state.check()
+        return data
 
     def reusable(self) -> bool:
         """Never (see the module docstring)."""
         return False
 
     async def aclose(self) -> None:
-        """Close the connection (idempotent); the peer sees end of stream."""
+        """Close the connection (idempotent); local waiters get `StreamBroken`, the peer sees
+        end of stream."""
         if self._closed:
             return
         self._closed = True
+        self._send_state.break_("closed locally")
+        self._receive_state.break_("closed locally")
         self._writer.close()
+        self._reader.feed_eof()
         with contextlib.suppress(Exception):
             async with asyncio.timeout(2.0):
                 await self._writer.wait_closed()

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import os
 import sys
+import tempfile
 import tracemalloc
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -21,6 +23,8 @@ import pytest
 import torch
 from memory_streams import memory_stream_pair
 
+from pdlab.tls_certs import CertSet, make_cert_set
+from pdserve.auth.tls import TLSConfig, client_context, server_context
 from pdserve.errors import PeerClosed, StreamBroken
 from pdserve.transfer.faulty import Fault, FaultAction, FaultPlan, FaultyStream
 from pdserve.transfer.nixl_transport import (
@@ -32,6 +36,7 @@ from pdserve.transfer.nixl_transport import (
 from pdserve.transfer.shm import leaked_segments, open_shm_stream, serve_shm
 from pdserve.transfer.stream import ByteStream
 from pdserve.transfer.tcp import open_tcp_stream, serve_tcp
+from pdserve.transfer.tls_stream import open_tls_stream, serve_tls
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 LARGE_BYTES = 64 << 20
@@ -46,6 +51,7 @@ TRANSPORTS = [
     "shm",
     pytest.param("nixl", marks=_no_nixl),
     "faulty-memory",
+    "tls",
 ]
 
 Pair = tuple[ByteStream, ByteStream]
@@ -97,6 +103,21 @@ async def stream_pair(transport: str) -> AsyncIterator[Pair]:
             await a.aclose()
             await b.aclose()
         return
+    if transport == "tls":
+        certs = _tls_certs()
+        config = TLSConfig(certs.cert, certs.key, certs.ca)
+        server_ctx, client_ctx = server_context(config), client_context(config)
+        assert server_ctx is not None and client_ctx is not None
+
+        async def serve(handler: Any) -> Any:
+            return await serve_tls(handler, "127.0.0.1", 0, server_ctx)
+
+        async def open_tls(address: Any) -> ByteStream:
+            return await open_tls_stream(address, client_ctx)
+
+        async with _served(serve, open_tls) as pair:
+            yield pair
+        return
     serve, open_stream = {
         "tcp": (serve_tcp, open_tcp_stream),
         "shm": (serve_shm, open_shm_stream),
@@ -104,6 +125,11 @@ async def stream_pair(transport: str) -> AsyncIterator[Pair]:
     }[transport]
     async with _served(serve, open_stream) as pair:
         yield pair
+
+
+@functools.cache
+def _tls_certs() -> CertSet:
+    return make_cert_set(Path(tempfile.mkdtemp(prefix="pdserve-tls-")), "conformance")
 
 
 @pytest.fixture(autouse=True)
