@@ -180,9 +180,12 @@ class LinkWriter(_Link):
         *,
         link_id: bytes | None = None,
         compare: FingerprintCompare = fingerprint_diff,
+        peer_instance: bytes = b"",
     ) -> None:
         super().__init__(fingerprint, cluster_key, LinkState.IDLE, compare)
         self.link_id = link_id or os.urandom(TRANSFER_ID_BYTES)
+        # The holder's process instance this link is meant for (b"": any).
+        self._peer_instance = peer_instance
         # Sequence numbers of the Puts sent and not yet answered, oldest first.
         self._owed: deque[int] = deque()
 
@@ -190,7 +193,7 @@ class LinkWriter(_Link):
         """Open the link (this side's fingerprint and, with a cluster key, its MAC)."""
         self._require(LinkState.IDLE)
         hello = handshake.own_hello(
-            self._key, Role.REPLICA, self.link_id, _ATTEMPT, self._fingerprint
+            self._key, Role.REPLICA, self.link_id, _ATTEMPT, self._fingerprint, self._peer_instance
         )
         out = Outbound(self._envelope(self.link_id), hello)
         self.state = LinkState.HELLO_SENT

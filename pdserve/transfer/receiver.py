@@ -197,6 +197,9 @@ class KVReceiver:
                     return  # end of stream, silence or undecodable bytes: nothing to trust
                 opens_link, first = first and self.link_handler is not None, False
                 if opens_link and isinstance(message, Hello) and message.role is Role.REPLICA:
+                    if self._meant_for_another_life(message):
+                        await self._refuse_hello(stream, header, message)
+                        return
                     assert self.link_handler is not None
                     # A checkpoint link: another protocol from here on, one handler.
                     await self.link_handler(stream, header, message, transport)
@@ -204,7 +207,7 @@ class KVReceiver:
                 incoming = self._expected.get(header.transfer_id)
                 if incoming is None or incoming.session is None:
                     if isinstance(message, Hello):
-                        await self._refuse_unknown(stream, header, message)
+                        await self._refuse_hello(stream, header, message)
                     return
                 if incoming is not current:
                     if not await self._bind_writer(incoming, header, message):
@@ -335,13 +338,16 @@ class KVReceiver:
         self.num_failed_attempts += 1
         self.failed_attempts_by_reason[reason] += 1
 
-    async def _refuse_unknown(self, stream: ByteStream, header: FrameHeader, hello: Hello) -> None:
+    def _meant_for_another_life(self, hello: Hello) -> bool:
+        return bool(hello.peer_instance and self.instance and hello.peer_instance != self.instance)
+
+    async def _refuse_hello(self, stream: ByteStream, header: FrameHeader, hello: Hello) -> None:
         transfer_id, attempt = header.transfer_id, header.attempt
         meant = hello.peer_instance
-        if meant and self.instance and meant != self.instance:
+        if self._meant_for_another_life(hello):
             text = (
-                f"transfer {transfer_id.hex()} was reserved by instance {meant.hex()} of this"
-                f" address; this is instance {self.instance.hex()} (restarted since)"
+                f"{transfer_id.hex()} was meant for instance {meant.hex()} of this address;"
+                f" this is instance {self.instance.hex()} (restarted since)"
             )
             nack = Nack(NackCode.STALE_INSTANCE, text, False)
         else:

@@ -50,6 +50,8 @@ class _Link:
         self.stream: ByteStream | None = None
         self.session: LinkWriter | None = None
         self.num_puts = 0
+        # The holder's instance the link's Hello names (b"": any).
+        self.peer_instance = b""
         # Monotonic second until which puts fail at once, and why (after a failure).
         self.down_until = 0.0
         self.down_reason = ""
@@ -81,11 +83,19 @@ class CheckpointLinks:
         self._links: dict[Address, _Link] = {}
         self.num_opened = 0
 
-    async def put(self, address: Address, put: Put, blocks: Sequence[memoryview]) -> int:
-        """Send one put to the holder at `address` until it is answered; returns its bytes.
-        CheckpointRefused when the holder refused it, a transfer error when it failed."""
+    async def put(
+        self, address: Address, put: Put, blocks: Sequence[memoryview], peer_instance: bytes = b""
+    ) -> int:
+        """Send one put to the holder at `address` (the process instance `peer_instance`, when
+        known) until it is answered; returns its bytes. CheckpointRefused when the holder
+        refused it, a transfer error when it failed (TransferRefused naming STALE_INSTANCE
+        when another life of the holder answers)."""
         link = self._links.setdefault(address, _Link(address))
         async with link.lock:
+            if peer_instance != link.peer_instance:
+                # A new life of the holder at this address: a link to the old one is no use.
+                await link.close()
+                link.peer_instance, link.down_until = peer_instance, 0.0
             now = time.monotonic()
             if now < link.down_until:
                 raise PeerClosed(
@@ -138,7 +148,7 @@ class CheckpointLinks:
                 await link.close()
 
     async def _open(self, link: _Link) -> None:
-        session = LinkWriter(self._info.fingerprint, self._key)
+        session = LinkWriter(self._info.fingerprint, self._key, peer_instance=link.peer_instance)
         async with asyncio.timeout(self._connect_timeout_s):
             stream = await self._connect("tcp", link.address)
         link.stream, link.session, link.num_puts = stream, session, 0

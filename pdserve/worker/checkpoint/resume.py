@@ -242,6 +242,7 @@ class CheckpointPuller:
                 lease_epoch=_PULL_EPOCH,
                 num_cached_tokens=0,
                 lease_ttl_s=self._timeout_s,
+                instance_id=self._receiver.instance.hex(),
             )
             body = CheckpointSend(
                 token_ids=prefix,

@@ -154,6 +154,7 @@ class CheckpointStore:
             lease_epoch=_PUT_EPOCH,
             num_cached_tokens=0,
             lease_ttl_s=body.lease_ttl_s,
+            instance_id=self._receiver.instance.hex(),
         )
 
     async def _settle_put(

@@ -162,7 +162,8 @@ class Replica:
                 value_digest,
             )
             try:
-                num_bytes, transport = await s.links.put(address, put, views), "tcp"
+                instance = s.holder_instance(self.plan.holder_url)
+                num_bytes, transport = await s.links.put(address, put, views, instance), "tcp"
                 s.counters.num_link_puts += 1
             except LinkUnsupported:
                 # An older holder: this put and its later ones go through sessions.
@@ -310,6 +311,8 @@ class CheckpointStreams:
         # each holder's TCP KV endpoint as its last reservation named it.
         self.links = links
         self._holder_tcp: dict[str, Address] = {}
+        # The holder's instance its last reservation named: its link's Hello names it too.
+        self._holder_instance: dict[str, bytes] = {}
         self._no_links: set[str] = set()
         self.counters = StreamCounters()
         # Releases under way (`Replica.close` does not wait for them).
@@ -342,10 +345,15 @@ class CheckpointStreams:
         """Remember the holder's TCP endpoint (from a reservation it made) for its link."""
         if holder_url in self._no_links:
             return
+        self._holder_instance[holder_url] = bytes.fromhex(reservation.instance_id)
         for i, endpoint in enumerate(reservation.endpoints):
             if endpoint.transport == "tcp":
                 where = f"reservation.endpoints[{i}].address"
                 self._holder_tcp[holder_url] = kv_transports.parse_address(endpoint.address, where)
+
+    def holder_instance(self, holder_url: str) -> bytes:
+        """The holder's process instance as its reservations name it (b"": not known)."""
+        return self._holder_instance.get(holder_url, b"")
 
     def forget_link(self, holder_url: str) -> None:
         """The holder serves no links: send it every later put in a session."""

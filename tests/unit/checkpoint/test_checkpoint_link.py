@@ -326,3 +326,19 @@ def test_a_holder_that_serves_no_links_says_so_at_the_handshake() -> None:
         assert holder.tier.num_blocks == 0
 
     run(body)
+
+
+def test_a_link_meant_for_a_previous_life_of_the_holder_is_refused_as_such() -> None:
+    """The holder restarted at the same address: the writer's Hello names the instance its
+    last reservation came from, and the new life refuses it as stale (STALE_INSTANCE, not
+    retried) before anything is put; named as the instance it is, the link goes on."""
+
+    async def body(holder: Holder, links: CheckpointLinks) -> None:
+        holder.receiver.instance = bytes.fromhex("b2" * 8)
+        with pytest.raises(TransferRefused, match=r"STALE_INSTANCE.*a1a1a1a1a1a1a1a1") as info:
+            await links.put(holder.address, put_of(0), views(block(0)), bytes.fromhex("a1" * 8))
+        assert not info.value.retryable and holder.tier.num_blocks == 0
+        await links.put(holder.address, put_of(0), views(block(0)), bytes.fromhex("b2" * 8))
+        assert holder.tier.num_blocks == 1
+
+    run(body)

@@ -48,6 +48,8 @@ TOKENS = list(range(100, 112))  # three blocks
 
 class FakeReceiver:
     def __init__(self) -> None:
+        # This process's instance, named in the reservations the store makes.
+        self.instance = bytes.fromhex("c3" * 8)
         self.expected: dict[bytes, IncomingTransfer] = {}
         self.fenced: list[bytes] = []
 

@@ -199,7 +199,9 @@ class FakeLinks:
         self.unsupported = unsupported
         self.puts: list[Any] = []
 
-    async def put(self, address: Any, put: Any, blocks: list[memoryview]) -> int:
+    async def put(
+        self, address: Any, put: Any, blocks: list[memoryview], peer_instance: bytes = b""
+    ) -> int:
         self.puts.append(put)
         if self.unsupported:
             raise LinkUnsupported("the holder serves no links")

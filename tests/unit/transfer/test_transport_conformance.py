@@ -33,7 +33,7 @@ from pdserve.transfer.nixl_transport import (
     open_nixl_stream,
     serve_nixl,
 )
-from pdserve.transfer.shm import leaked_segments, open_shm_stream, serve_shm
+from pdserve.transfer.shm import SEGMENT_PREFIX, leaked_segments, open_shm_stream, serve_shm
 from pdserve.transfer.stream import ByteStream
 from pdserve.transfer.tcp import open_tcp_stream, serve_tcp
 from pdserve.transfer.tls_stream import open_tls_stream, serve_tls
@@ -132,11 +132,17 @@ def _tls_certs() -> CertSet:
     return make_cert_set(Path(tempfile.mkdtemp(prefix="pdserve-tls-")), "conformance")
 
 
+def _own_segments() -> set[str]:
+    # Segments carry their creator's pid: another test process's (make test runs two pytest
+    # processes side by side) are not this test's leaks.
+    return {n for n in leaked_segments() if n.startswith(f"{SEGMENT_PREFIX}{os.getpid()}-")}
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_segments() -> Iterator[None]:
-    before = set(leaked_segments())
+    before = _own_segments()
     yield
-    assert set(leaked_segments()) - before == set()
+    assert _own_segments() - before == set()
 
 
 _PATTERN: np.ndarray | None = None
