@@ -396,7 +396,7 @@ async def create_app(config: RouterConfig, clock: Clock | None = None) -> web.Ap
 
     def pair_verdict(probe: PairProbe) -> None:
         metrics.kv_pair_probes[probe.verdict.value] += 1
-        if probe.verdict is not Verdict.FAILED:  # a KV transfer: the breaker counts it
+        if probe.verdict in (Verdict.OK, Verdict.SLOW):  # a KV transfer: the breaker counts it
             reason = f"KV pair {probe.prefill} -> {probe.decode} {probe.verdict.value}"
             ok = probe.verdict is Verdict.OK
             dispatcher.record_kv_outcome(ok, reason if ok else f"{reason}: {probe.detail}")

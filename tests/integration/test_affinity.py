@@ -26,7 +26,10 @@ BS = 16  # the workers' default KV block size
 OUT = 8  # output tokens per turn
 # Uncached prompt tokens up to which the holder prefills a suffix itself.
 THRESHOLD = 64
-ROUTER_ARGS = ("--routing", "affinity", "--local-prefill-threshold", str(THRESHOLD))
+# No pair probes: they send KV and take prefill work, and this module counts both exactly.
+ROUTER_ARGS = (
+    "--routing", "affinity", "--local-prefill-threshold", str(THRESHOLD), "--kv-probe-mib", "0",
+)  # fmt: skip
 _METRIC = re.compile(r'^pdserve_worker_(\w+)\{worker_id="[^"]*"\} (\S+)$', re.MULTILINE)
 
 

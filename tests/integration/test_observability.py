@@ -41,7 +41,11 @@ def cluster(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         handles.append(launch_worker("both", workdir, model=tiny_model_path))
         for handle in handles:
             wait_ready(handle)
-        with router_process(workdir, tiny_model_path, [h.url for h in handles]) as url:
+        # No pair probes: the fault must hit the module's first real transfer, not a probe's.
+        no_probes = ("--kv-probe-mib", "0")
+        with router_process(
+            workdir, tiny_model_path, [h.url for h in handles], extra_args=no_probes
+        ) as url:
             yield Cluster(url, handles[0], handles[1])
 
 

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pdserve.errors import PdserveError
+from pdserve.errors import PdserveError, WorkerCallError
 from pdserve.protocol.kv_rates import SLOW_FRACTION, expected_gbps, is_slow
 from pdserve.protocol.reservation_signing import sign_reservation
 from pdserve.protocol.worker_api import ProbeExpectRequest, ProbeResult, ProbeSendRequest
@@ -50,6 +50,8 @@ class Verdict(enum.Enum):
     OK = "ok"
     SLOW = "slow"  # far below its transport's expected rate
     FAILED = "failed"  # the probe's transfer did not complete
+    # A worker that serves no probe (404: a build from before it); its pair is used unprobed.
+    UNSUPPORTED = "unsupported"
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +75,7 @@ class PairProbe:
     @property
     def steer_around(self) -> bool:
         """Whether placement should prefer another pair."""
-        return self.verdict is not Verdict.OK
+        return self.verdict in (Verdict.SLOW, Verdict.FAILED)
 
 
 def _instance(view: WorkerView) -> str:
@@ -201,7 +203,9 @@ class PairProber:
                     got = await self._send_once(prefill, decode)
         except (PdserveError, TimeoutError, OSError) as exc:
             detail = f"{type(exc).__name__}: {exc}"[:300]
-            return PairProbe(prefill, decode, Verdict.FAILED, detail=detail, at=self._clock())
+            unsupported = isinstance(exc, WorkerCallError) and exc.status == 404
+            verdict = Verdict.UNSUPPORTED if unsupported else Verdict.FAILED
+            return PairProbe(prefill, decode, verdict, detail=detail, at=self._clock())
         verdict, detail = verdict_of(got.transport, got.num_bytes, got.seconds)
         return PairProbe(
             prefill,

@@ -9,8 +9,9 @@ import dataclasses
 import pytest
 from test_router_policy import view
 
-from pdserve.errors import WorkerUnreachable
+from pdserve.errors import WorkerCallError, WorkerUnreachable
 from pdserve.protocol.worker_api import (
+    ErrorBody,
     KVEndpoint,
     ProbeExpectRequest,
     ProbeResult,
@@ -182,3 +183,19 @@ def test_placement_prefers_another_prefill_but_never_refuses_for_a_slow_pair() -
     # The only prefill worker left is the slow pair's: it serves.
     assert policy.pick_prefill([slow, decode], decode, query) == slow
     assert policy.pick_prefill([slow, fast, decode], decode, query, exclude={fast.url}) == slow
+
+
+def test_a_worker_that_serves_no_probe_is_used_unprobed() -> None:
+    """An older build answers 404: not a broken path, so nothing is steered or counted."""
+
+    class OldBuild(FakeClient):
+        async def probe_send(self, url: str, request: ProbeSendRequest) -> ProbeResult:
+            raise WorkerCallError(url, 404, ErrorBody(error="Not Found", type="HTTPError"))
+
+    views = [view(0, "prefill"), view(1, "decode")]
+    verdicts: list[PairProbe] = []
+    p = prober(views, OldBuild({}), verdicts, [0.0])
+    asyncio.run(p.probe_due())
+    assert [v.verdict for v in verdicts] == [Verdict.UNSUPPORTED]
+    assert p.avoid("http://w1") == set()
+    assert asyncio.run(p.probe_due()) == []  # settled: not asked again
