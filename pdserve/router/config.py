@@ -330,6 +330,14 @@ class RouterConfig:
         group="serving (OpenAI API)",
         help="drop (and log) unknown request fields instead of answering 400",
     )
+    # Serve GET /tokenizer_info (the tokenizer's configuration and chat template), off by
+    # default as in vLLM (`--enable-tokenizer-info-endpoint`): it exposes the template.
+    enable_tokenizer_info_endpoint: bool = setting(
+        False,
+        action="store_true",
+        group="serving (OpenAI API)",
+        help="serve GET /tokenizer_info (the tokenizer's config and chat template), as vLLM",
+    )
     # How tool calls look in the model's output: read from `tool_choice: auto` answers, and
     # written by the grammar that forces `required` and named choices.
     tool_call_parser: str = setting(

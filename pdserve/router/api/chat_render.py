@@ -73,7 +73,7 @@ class ChatRender:
         with continuous usage, the role chunk carries the usage so far too (as vLLM's)."""
         job = self._job
         if job.kind == "chat":
-            chunk = responses.chat_chunk(job, choice.index, ChatDelta(role="assistant"))
+            chunk = responses.chat_chunk(job, choice.index, ChatDelta(role=job.role))
             if job.body.continuous_usage:
                 chunk.usage = responses.usage(job, [r.result for r in self._runs])
             if not job.chat_echo:

@@ -219,6 +219,9 @@ class ChatCompletionRequest(SamplingFields):
     # Extension (vLLM's): each choice's content starts with the final message's text when that
     # message has the answer's role (with add_generation_prompt false: always).
     echo: bool = False
+    # Extension (vLLM's): each prompt token's logprob and this many alternatives (0..20),
+    # answered as the response's `prompt_logprobs`; not with stream (as in vLLM).
+    prompt_logprobs: int | None = None
     tools: list[ToolDefinition] | None = None
     # Default: "auto" with tools, "none" without.
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -312,9 +315,10 @@ class ToolCallOut(BaseModel):
 
 
 class ChatMessageOut(BaseModel):
-    """The assistant's message of a whole chat completion (content None when it only calls)."""
+    """The answer's message of a whole chat completion (content None when it only calls)."""
 
-    role: Literal["assistant"] = "assistant"
+    # "assistant", or with add_generation_prompt false the final message's role (as vLLM).
+    role: str = "assistant"
     content: str | None
     tool_calls: list[ToolCallOut] | None = Field(default=None, exclude_if=lambda v: v is None)
 
@@ -345,6 +349,16 @@ class ChatChoice(BaseModel):
     token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
+class PromptLogprob(BaseModel):
+    """One token at one prompt position, as vLLM's `Logprob`."""
+
+    logprob: float
+    # 1 = most likely; None for the prompt's own token when it is not among the alternatives
+    # (the worker reports the top alternatives, not every token's rank).
+    rank: int | None
+    decoded_token: str
+
+
 class ChatCompletionResponse(BaseModel):
     """A whole chat completion."""
 
@@ -354,12 +368,17 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    # With `prompt_logprobs`: per prompt position (the first: None, nothing predicts it) the
+    # prompt's token and the alternatives, keyed by token id.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        default=None, exclude_if=lambda v: v is None
+    )
 
 
 class ChatDelta(BaseModel):
     """What a chat chunk adds: the role on the first chunk, then content and calls."""
 
-    role: Literal["assistant"] | None = None
+    role: str | None = None
     content: str | None = None
     tool_calls: list[ToolCallDeltaOut] | None = Field(default=None, exclude_if=lambda v: v is None)
 

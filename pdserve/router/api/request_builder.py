@@ -132,10 +132,18 @@ class RequestBuilder:
         if body.top_logprobs is not None and not body.logprobs:
             raise InvalidRequest("top_logprobs: needs logprobs set to true", "top_logprobs")
         top = (body.top_logprobs or 0) if body.logprobs else None
-        sampling = self._sampling(body, max_tokens, top, grammar, None, limit)
+        if body.prompt_logprobs is not None and body.stream:
+            # As vLLM: a streamed chat has no response object to carry them.
+            raise InvalidRequest(
+                "prompt_logprobs: not available with stream (send the request unstreamed)",
+                "prompt_logprobs",
+            )
+        sampling = self._sampling(body, max_tokens, top, grammar, body.prompt_logprobs, limit)
         self._check_context(prompt, max_tokens, "messages", limit)
         job = self._job("chat", "chatcmpl", body, [prompt], sampling, body.n, top, False, False)
         job.request_id = request_id or job.request_id
+        job.role = answer_role(body, dicts)
+        job.prompt_logprobs = body.prompt_logprobs
         job.chat_echo = _chat_echo(body, dicts)
         if tools is not None and tools.parsed:
             job.tool_format = self._config.tool_format
@@ -343,16 +351,27 @@ class RequestBuilder:
         )
 
 
+def answer_role(body: ChatCompletionRequest, messages: Sequence[dict[str, Any]]) -> str:
+    """The role of each choice's message, as vLLM names it: "assistant" when the prompt opens
+    an assistant turn (add_generation_prompt), else the final message's role (the model
+    continues that message's turn)."""
+    if body.add_generation_prompt or not messages:
+        return "assistant"
+    return str(messages[-1]["role"])
+
+
 def _chat_echo(body: ChatCompletionRequest, messages: Sequence[dict[str, Any]]) -> str:
     """With `echo`, the text each chat choice starts with, as vLLM echoes it: the final
-    message's, if its role is the answer's ("assistant" with add_generation_prompt, else the
-    final message's own role, so always)."""
+    message's, if its role is the answer's (so always with add_generation_prompt false)."""
     if not body.echo or not messages:
         return ""
     last = messages[-1]
-    role = "assistant" if body.add_generation_prompt else last.get("role")
     content = last.get("content")
-    return content if last.get("role") == role and isinstance(content, str) else ""
+    return (
+        content
+        if last.get("role") == answer_role(body, messages) and isinstance(content, str)
+        else ""
+    )
 
 
 def message_dicts(chat: Sequence[ChatMessage]) -> list[dict[str, Any]]:

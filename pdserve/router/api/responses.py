@@ -17,7 +17,12 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel
 
 from pdserve.protocol.worker_api import LogprobModel, SamplingModel
-from pdserve.router.api.logprobs_format import TokenTexts, chat_logprobs, completion_logprobs
+from pdserve.router.api.logprobs_format import (
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs,
+)
 from pdserve.router.api.openai_models import (
     ChatChoice,
     ChatChunkChoice,
@@ -72,6 +77,11 @@ class Job:
     echo_only: bool = False
     # Chat with `echo`: the text each choice's content starts with (the final message's).
     chat_echo: str = ""
+    # Chat: the answer's role: "assistant", or with add_generation_prompt false the final
+    # message's (the prompt did not open an assistant turn, so the model continues that one).
+    role: str = "assistant"
+    # Chat with vLLM's `prompt_logprobs`: alternatives per prompt position; None: not asked.
+    prompt_logprobs: int | None = None
     # Chat with tools (tool_choice not "none"): the output is read for calls in this format.
     tool_format: ToolFormat | None = None
 
@@ -258,6 +268,7 @@ def whole(job: Job, choices: Sequence[ChoiceResult], texts: TokenTexts) -> BaseM
             ChatChoice(
                 index=c.index,
                 message=ChatMessageOut(
+                    role=job.role,
                     content=job.chat_echo + c.text
                     if job.chat_echo or c.text or not c.tool_calls
                     else None,
@@ -269,9 +280,15 @@ def whole(job: Job, choices: Sequence[ChoiceResult], texts: TokenTexts) -> BaseM
             )
             for c in choices
         ]
+        prompt_lps = None
+        if job.prompt_logprobs is not None and choices:
+            # One prompt, so every choice's prompt logprobs are the same: the first's.
+            first = choices[0]
+            prompt_lps = prompt_logprobs(texts, first.prompt.token_ids,
+                                         first.prompt_logprobs or [], job.prompt_logprobs)  # fmt: skip
         return ChatCompletionResponse(
             id=job.request_id, created=job.created, model=job.body.model,
-            choices=chat_choices, usage=counts,
+            choices=chat_choices, usage=counts, prompt_logprobs=prompt_lps,
         )  # fmt: skip
     out = []
     for c in choices:
