@@ -44,6 +44,19 @@ class ResponseFormat(_Request):
     json_schema: JsonSchemaFormat | None = None
 
 
+class StructuredOutputs(_Request):
+    """`structured_outputs`, vLLM's newer form of the guided_* fields: one of its keys (a key
+    vLLM has beyond these, e.g. `whitespace_pattern`, is refused by name)."""
+
+    # `json` on the wire (the attribute name would shadow BaseModel.json).
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    # As response_format {"type": "json_object"}: any JSON object.
+    json_object: bool | None = None
+
+
 class SamplingFields(_Request):
     """Fields common to completions and chat completions."""
 
@@ -85,6 +98,8 @@ class SamplingFields(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # Extension (vLLM's current name for the same): at most one structured-output request.
+    structured_outputs: StructuredOutputs | None = None
 
     def stop_list(self) -> list[str]:
         """`stop` as a list (a single string is one stop string)."""

@@ -252,14 +252,15 @@ class RequestBuilder:
         if not bias:
             return ()
         pairs = []
+        bad = []
         for key, value in bias.items():
             try:
-                token_id = int(key)
+                pairs.append((int(key), value))
             except ValueError:
-                raise InvalidRequest(
-                    f"logit_bias: keys must be token ids, got {key!r}", "logit_bias"
-                ) from None
-            pairs.append((token_id, value))
+                bad.append(key)
+        if bad:
+            # Every bad key at once (as vLLM), so a client fixes them in one round.
+            raise InvalidRequest(f"logit_bias: keys must be token ids, got {bad!r}", "logit_bias")
         self._token_ids([t for t, _ in pairs], "logit_bias")
         return tuple(sorted(pairs))
 
@@ -279,20 +280,18 @@ class RequestBuilder:
                 )
             source = json.dumps(fmt.json_schema.json_schema)
             specs.append(("response_format", GrammarSpec(GrammarKind.JSON_SCHEMA, source)))
-        if body.guided_json is not None:
-            source = (
-                body.guided_json
-                if isinstance(body.guided_json, str)
-                else json.dumps(body.guided_json)
+        specs += _guided_specs(
+            "guided_", body.guided_json, body.guided_regex, body.guided_choice, body.guided_grammar
+        )
+        structured = body.structured_outputs
+        if structured is not None:
+            # Named as one field: the client sent one object, whichever key it set.
+            found = _guided_specs(
+                "", structured.json_schema, structured.regex, structured.choice, structured.grammar
             )
-            specs.append(("guided_json", GrammarSpec(GrammarKind.JSON_SCHEMA, source)))
-        if body.guided_regex is not None:
-            specs.append(("guided_regex", GrammarSpec(GrammarKind.REGEX, body.guided_regex)))
-        if body.guided_choice is not None:
-            source = json.dumps(body.guided_choice)
-            specs.append(("guided_choice", GrammarSpec(GrammarKind.CHOICE, source)))
-        if body.guided_grammar is not None:
-            specs.append(("guided_grammar", GrammarSpec(GrammarKind.GRAMMAR, body.guided_grammar)))
+            if structured.json_object:
+                found.append(("", GrammarSpec(GrammarKind.JSON_SCHEMA, '{"type":"object"}')))
+            specs += [("structured_outputs", spec) for _, spec in found]
         if not specs:
             return None
         if len(specs) > 1:
@@ -349,6 +348,28 @@ class RequestBuilder:
             echo=echo,
             echo_only=echo_only,
         )
+
+
+def _guided_specs(
+    prefix: str,
+    json_schema: dict[str, Any] | str | None,
+    regex: str | None,
+    choice: list[str] | None,
+    grammar: str | None,
+) -> list[tuple[str, GrammarSpec]]:
+    """The grammars vLLM's guided fields (`guided_json`, ...; or `structured_outputs`' keys)
+    ask for, each with its field name (`prefix` + key)."""
+    specs: list[tuple[str, GrammarSpec]] = []
+    if json_schema is not None:
+        source = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+        specs.append((prefix + "json", GrammarSpec(GrammarKind.JSON_SCHEMA, source)))
+    if regex is not None:
+        specs.append((prefix + "regex", GrammarSpec(GrammarKind.REGEX, regex)))
+    if choice is not None:
+        specs.append((prefix + "choice", GrammarSpec(GrammarKind.CHOICE, json.dumps(choice))))
+    if grammar is not None:
+        specs.append((prefix + "grammar", GrammarSpec(GrammarKind.GRAMMAR, grammar)))
+    return specs
 
 
 def answer_role(body: ChatCompletionRequest, messages: Sequence[dict[str, Any]]) -> str:

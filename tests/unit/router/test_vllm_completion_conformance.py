@@ -1,0 +1,265 @@
+"""Where vLLM's /v1/completions (and the chat validation it shares) and pdserve's must agree
+(issue 33), on fake workers, colocated and disaggregated: each test names the vLLM test it
+re-expresses (tests/entrypoints/openai/completion/test_completion.py, chat_completion/
+test_chat.py); our own tests, not copies. The fake worker's script is the same for every
+request, so what vLLM checks through a real model's text (distinct samples, valid JSON) is
+checked through the request the worker was sent, and across paths in
+tests/integration/test_openai_client.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fake_worker import FakeWorker
+from router_harness import completion, router, run
+
+from pdserve.model.tokenizer import Tokenizer
+from pdserve.router.api import sse
+
+TOKENS = [300, 301, 302, 303, 304]
+MODES = pytest.mark.parametrize("mode", ["colocated", "disagg"])
+
+
+def workers(mode: str) -> list[FakeWorker]:
+    """Fake workers serving `mode`: one `both` worker, or a prefill and a decode worker."""
+    if mode == "colocated":
+        return [FakeWorker("both", TOKENS)]
+    return [FakeWorker("prefill", TOKENS), FakeWorker("decode", TOKENS)]
+
+
+def events(raw: bytes) -> list[dict[str, Any]]:
+    return [json.loads(e) for e in sse.parse_events(raw)[:-1]]
+
+
+def chat(**kw: Any) -> dict[str, Any]:
+    return {"model": "tiny-v2", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4, "temperature": 0, **kw}  # fmt: skip
+
+
+@MODES
+def test_single_completion_and_logprob_counts(tiny_model_path: Path, mode: str) -> None:
+    """test_single_completion (one choice, finish "length", usage adds up, prompt tokens as
+    the tokenizer counts them, cached_tokens 0; token-id prompts too), test_no_logprobs /
+    test_zero_logprobs / test_some_logprobs (no logprobs object; with 0 one entry per
+    position: the chosen token; with N, N or N + 1 entries)."""
+    tokenizer = Tokenizer(tiny_model_path)
+
+    async def body() -> None:
+        async with router(tiny_model_path, workers(mode), mode=mode) as client:
+            prompt = "Hello, my name is"
+            data = await (
+                await client.post("/v1/completions", json=completion(5, prompt=prompt))
+            ).json()
+            assert data["id"] and len(data["choices"]) == 1
+            assert data["choices"][0]["finish_reason"] == "length"
+            usage = data["usage"]
+            assert usage["completion_tokens"] == 5
+            assert usage["prompt_tokens"] == len(tokenizer.encode(prompt))
+            assert usage["total_tokens"] == usage["prompt_tokens"] + 5
+            assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+            ids = await (
+                await client.post("/v1/completions", json=completion(5, prompt=[0, 0, 0, 0, 0]))
+            ).json()
+            assert ids["choices"][0]["text"] and ids["usage"]["prompt_tokens"] == 5
+            assert ids["choices"][0]["logprobs"] is None
+            for asked, sizes in ((0, {1}), (2, {2, 3})):
+                req = completion(5, prompt=[0, 0, 0, 0, 0], logprobs=asked)
+                lp = (await (await client.post("/v1/completions", json=req)).json())["choices"][0][
+                    "logprobs"
+                ]
+                assert lp["token_logprobs"] and {len(t) for t in lp["top_logprobs"]} <= sizes
+
+    run(body)
+
+
+@MODES
+def test_batch_completions(tiny_model_path: Path, mode: str) -> None:
+    """test_batch_completions: a list of two prompts (text, or token ids) gives two choices
+    with the same greedy text; with n = 2 four, in prompt-major order (choice 2 is prompt 1's
+    first sample, the same as choice 0); streamed, each chunk carries one choice and the
+    texts agree. (vLLM's n = 2 there needs `use_beam_search`; pdserve samples n
+    independently, so its greedy samples are equal, see README.)"""
+
+    async def body() -> None:
+        async with router(tiny_model_path, workers(mode), mode=mode) as client:
+            for prompts in (["Hello, my name is"] * 2, [[0, 0, 0, 0, 0]] * 2):
+                data = await (
+                    await client.post("/v1/completions", json=completion(5, prompt=prompts))
+                ).json()
+                texts = [c["text"] for c in data["choices"]]
+                assert len(texts) == 2 and texts[0] == texts[1]
+                data = await (
+                    await client.post("/v1/completions", json=completion(5, prompt=prompts, n=2))
+                ).json()
+                assert [c["index"] for c in data["choices"]] == [0, 1, 2, 3]
+                assert data["choices"][0]["text"] == data["choices"][2]["text"]
+                assert data["choices"][1]["text"] == data["choices"][3]["text"]
+                resp = await client.post(
+                    "/v1/completions", json=completion(5, prompt=prompts, stream=True)
+                )
+                streamed = ["", ""]
+                for chunk in events(await resp.read()):
+                    assert len(chunk["choices"]) == 1
+                    streamed[chunk["choices"][0]["index"]] += chunk["choices"][0]["text"]
+                assert streamed[0] == streamed[1] == texts[0]
+
+    run(body)
+
+
+@MODES
+def test_parallel_sampling(tiny_model_path: Path, mode: str) -> None:
+    """test_parallel_no_streaming / test_parallel_streaming (and test_chat.py's
+    test_chat_completion_n_parameter_*): n = 3 gives choices 0, 1, 2 each with a finish
+    reason and its logprobs; streamed, one finish reason per choice and no choice longer than
+    max_tokens. Each sample has its own seed (vLLM's distinct samples)."""
+
+    served = workers(mode)
+
+    async def body() -> None:
+        async with router(tiny_model_path, served, mode=mode) as client:
+            req = completion(5, prompt="What is an LLM?", n=3, temperature=1.0, seed=42,
+                             logprobs=0)  # fmt: skip
+            data = await (await client.post("/v1/completions", json=req)).json()
+            assert [c["index"] for c in data["choices"]] == [0, 1, 2]
+            assert all(c["finish_reason"] and c["logprobs"]["tokens"] for c in data["choices"])
+            assert len({s.seed for w in served for s in w.samplings}) == 3
+            resp = await client.post("/v1/completions", json={**req, "stream": True})
+            finished: dict[int, int] = {}
+            lengths: dict[int, int] = {}
+            for chunk in events(await resp.read()):
+                choice = chunk["choices"][0]
+                lengths[choice["index"]] = lengths.get(choice["index"], 0) + 1
+                if choice["finish_reason"] is not None:
+                    finished[choice["index"]] = finished.get(choice["index"], 0) + 1
+            assert finished == {0: 1, 1: 1, 2: 1} and max(lengths.values()) <= 5
+            resp = await client.post("/v1/chat/completions", json=chat(n=3, temperature=0.7))
+            choices = (await resp.json())["choices"]
+            assert [c["index"] for c in choices] == [0, 1, 2]
+            assert all(c["message"]["content"] for c in choices)
+
+    run(body)
+
+
+@MODES
+def test_echo_logprob_completion(tiny_model_path: Path, mode: str) -> None:
+    """test_echo_logprob_completion (logprobs 0 and 1, text and token-id prompts): the text
+    starts with the prompt; the prompt's first position has no logprob and no alternatives;
+    every other position has between max(N, 1) and N + 1 entries."""
+    tokenizer = Tokenizer(tiny_model_path)
+
+    async def body() -> None:
+        async with router(tiny_model_path, workers(mode), mode=mode) as client:
+            for asked in (1, 0):
+                for prompt in ("Hello, my name is", [5, 6, 7, 8, 9]):
+                    req = completion(5, prompt=prompt, echo=True, logprobs=asked)
+                    choice = (await (await client.post("/v1/completions", json=req)).json())[
+                        "choices"
+                    ][0]
+                    text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
+                    assert choice["text"].startswith(text)
+                    lp = choice["logprobs"]
+                    assert len(lp["tokens"]) > 5 and len(lp["text_offset"]) > 5
+                    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+                    assert all(max(asked, 1) <= len(t) <= asked + 1 for t in lp["top_logprobs"][1:])
+
+    run(body)
+
+
+INVALID_SCHEMA = {"type": "object", "properties": {"foo": "bar"}}
+
+
+@pytest.mark.parametrize(
+    ("patch", "param"),
+    [
+        # test_completion.py::test_invalid_json_schema / test_invalid_regex /
+        # test_invalid_grammar, in vLLM's current `structured_outputs` and the guided_* form.
+        ({"structured_outputs": {"json": INVALID_SCHEMA}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "[.*"}}, "structured_outputs"),
+        (
+            {"structured_outputs": {"grammar": "root ::= select_statementinvalidsyntax"}},
+            "structured_outputs",
+        ),
+        ({"guided_json": INVALID_SCHEMA}, "guided_json"),
+        ({"guided_regex": "[.*"}, "guided_regex"),
+        ({"guided_grammar": "root ::= nowhere"}, "guided_grammar"),
+        # test_chat.py::test_structured_outputs_type_error: a regex that is not a string.
+        ({"structured_outputs": {"regex": {"1": "Python", "2": "C++"}}}, "structured_outputs"),
+        # test_chat.py::test_long_seed: seeds outside a signed 64-bit integer.
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"seed": 2**63}, "seed"),
+        # test_chat_logit_bias_validation.py: a token id past the vocabulary, keys that are
+        # not integers (every one named), a value that is not a number.
+        ({"logit_bias": {"1000001": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"bad1": 50.0, "bad2": 20.0}}, "logit_bias"),
+        ({"logit_bias": {"1": "not_a_number"}}, "logit_bias"),
+        # README's deliberate difference: no beam search (test_batch_completions sends it).
+        ({"use_beam_search": True}, "use_beam_search"),
+    ],
+)
+def test_invalid_requests_are_400s_naming_the_field(
+    tiny_model_path: Path, patch: dict[str, Any], param: str
+) -> None:
+    """The requests vLLM's tests expect a 400 for, on /v1/completions and chat alike."""
+
+    async def body() -> None:
+        async with router(tiny_model_path, workers("colocated"), mode="colocated") as client:
+            for path, req in (("/v1/completions", completion()), ("/v1/chat/completions", chat())):
+                resp = await client.post(path, json={**req, **patch})
+                error = (await resp.json())["error"]
+                assert resp.status == 400 and error["param"] == param, (path, error)
+                if param == "logit_bias" and "bad1" in patch["logit_bias"]:
+                    assert "bad1" in error["message"] and "bad2" in error["message"]
+
+    run(body)
+
+
+@MODES
+def test_structured_outputs_and_logit_bias_reach_the_worker(
+    tiny_model_path: Path, mode: str
+) -> None:
+    """test_chat.py::test_structured_outputs_choice_chat / _json_chat / _regex_chat and
+    test_response_format_json_object / _json_schema / _text, test_chat_logit_bias_valid:
+    `structured_outputs` asks for the same grammar as the guided_* field of the same kind and
+    as `response_format`, `response_format: text` for none, and a bias on the last token of
+    the vocabulary is taken; the worker is sent it, colocated or as the prefill.
+    (Outputs valid under the grammar, on real workers and every path:
+    tests/openai_cases.py's guided-choice and json-schema cases.)"""
+    served = workers(mode)
+    schema = {"type": "object", "properties": {"result": {"type": "integer"}}}
+    vocab = Tokenizer(tiny_model_path).vocab_size
+
+    async def grammar(client: Any, patch: dict[str, Any]) -> Any:
+        for w in served:
+            w.samplings.clear()
+        resp = await client.post("/v1/chat/completions", json=chat(**patch))
+        assert resp.status == 200, await resp.text()
+        sent = {json.dumps(w.samplings[-1].grammar.model_dump()) if w.samplings[-1].grammar
+                else None for w in served if w.samplings}  # fmt: skip
+        assert len(sent) == 1, sent
+        return sent.pop()
+
+    async def body() -> None:
+        async with router(tiny_model_path, served, mode=mode) as client:
+            pairs = [
+                ({"structured_outputs": {"choice": ["a", "b"]}}, {"guided_choice": ["a", "b"]}),
+                ({"structured_outputs": {"json": schema}}, {"guided_json": schema}),
+                ({"structured_outputs": {"regex": "[0-9]+"}}, {"guided_regex": "[0-9]+"}),
+                ({"structured_outputs": {"json": schema}},
+                 {"response_format": {"type": "json_schema",
+                                      "json_schema": {"name": "r", "schema": schema}}}),
+                ({"structured_outputs": {"json_object": True}},
+                 {"response_format": {"type": "json_object"}}),
+            ]  # fmt: skip
+            for new, old in pairs:
+                got = await grammar(client, new)
+                assert got is not None and got == await grammar(client, old)
+            assert await grammar(client, {"response_format": {"type": "text"}}) is None
+            await grammar(client, {"logit_bias": {str(vocab - 1): 1.0}})
+            assert all(
+                w.samplings[-1].logit_bias == [(vocab - 1, 1.0)] for w in served if w.samplings
+            )
+
+    run(body)
