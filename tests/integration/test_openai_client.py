@@ -372,3 +372,31 @@ def test_logprobs_streaming_and_stream_options_as_vllm(cluster: tuple[str, str])
             assert u.prompt_tokens + u.completion_tokens == u.total_tokens
             with pytest.raises(openai.BadRequestError):
                 create(**req, stream=False, stream_options={"include_usage": True})  # type: ignore[operator]
+
+
+def test_prompt_logprobs_in_chat_as_vllm(cluster: tuple[str, str], tiny_model_path: Path) -> None:
+    """vLLM tests/entrypoints/openai/chat_completion/test_chat.py::test_prompt_logprobs_chat and
+    test_more_than_one_prompt_logprobs_chat, on real workers and every layout (colocated,
+    disaggregated, re-prefilled): one entry per prompt token, None first; with N alternatives
+    each position has N entries, N + 1 when the prompt's own token is not among them; the
+    same values on every path."""
+    tok = Tokenizer(tiny_model_path)
+    messages = [{"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "Who won the world series in 2020?"}]  # fmt: skip
+    num_prompt = len(tok.encode_chat(messages, True))
+    answers = []
+    for url in layouts(cluster):
+        got = {}
+        for asked in (1, 2):
+            out = client(url).chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=2, temperature=0,  # type: ignore[arg-type]
+                extra_body={"prompt_logprobs": asked},
+            )  # fmt: skip
+            lps = out.prompt_logprobs  # type: ignore[attr-defined]
+            assert len(lps) == num_prompt and lps[0] is None
+            assert all(asked <= len(p) <= asked + 1 for p in lps[1:])
+            ranks = [sorted(e["rank"] for e in p.values() if e["rank"]) for p in lps[1:]]
+            assert all(r == list(range(1, asked + 1)) for r in ranks)
+            got[asked] = lps
+        answers.append(json.dumps(got, sort_keys=True))
+    assert len(set(answers)) == 1
