@@ -30,7 +30,7 @@ from pdserve.errors import (
     SamplingParamsError,
 )
 from pdserve.model.tokenizer import Tokenizer
-from pdserve.protocol.sampling import GrammarKind, GrammarSpec, SamplingParams
+from pdserve.protocol.sampling import MAX_LOGPROBS, GrammarKind, GrammarSpec, SamplingParams
 from pdserve.protocol.worker_api import SamplingModel
 from pdserve.router.api import field_policy
 from pdserve.router.api.json_body import validate
@@ -131,6 +131,12 @@ class RequestBuilder:
         limit = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         if body.top_logprobs is not None and not body.logprobs:
             raise InvalidRequest("top_logprobs: needs logprobs set to true", "top_logprobs")
+        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+            # Checked here so the 400 names the chat field (sampling calls it `logprobs`).
+            raise InvalidRequest(
+                f"top_logprobs: must be an integer in [0, {MAX_LOGPROBS}], got {body.top_logprobs}",
+                "top_logprobs",
+            )
         top = (body.top_logprobs or 0) if body.logprobs else None
         if body.prompt_logprobs is not None and body.stream:
             # As vLLM: a streamed chat has no response object to carry them.

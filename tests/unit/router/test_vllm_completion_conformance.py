@@ -263,3 +263,27 @@ def test_structured_outputs_and_logit_bias_reach_the_worker(
             )
 
     run(body)
+
+
+def test_all_vocabulary_logprobs_are_refused(tiny_model_path: Path) -> None:
+    """vLLM's chat_completion/protocol.py admits `top_logprobs: -1` (the whole vocabulary),
+    which vLLM's default `--max-logprobs 20` then refuses, as it refuses 21
+    (test_chat.py::test_too_many_chat_logprobs); pdserve's limit is fixed at 20 (README): -1
+    is a 400 naming the field, in chat (`top_logprobs`), completions (`logprobs`) and chat
+    `prompt_logprobs` alike, and the server still answers afterwards."""
+
+    async def body() -> None:
+        async with router(tiny_model_path, workers("colocated"), mode="colocated") as client:
+            for path, req, param in (
+                ("/v1/chat/completions", chat(logprobs=True, top_logprobs=-1), "top_logprobs"),
+                ("/v1/chat/completions", chat(logprobs=True, top_logprobs=30), "top_logprobs"),
+                ("/v1/chat/completions", chat(prompt_logprobs=-1), "prompt_logprobs"),
+                ("/v1/completions", completion(logprobs=-1), "logprobs"),
+            ):
+                resp = await client.post(path, json=req)
+                error = (await resp.json())["error"]
+                assert resp.status == 400 and error["param"] == param, (path, error)
+            resp = await client.post("/v1/chat/completions", json=chat())
+            assert resp.status == 200
+
+    run(body)
