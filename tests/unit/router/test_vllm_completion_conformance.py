@@ -287,3 +287,37 @@ def test_all_vocabulary_logprobs_are_refused(tiny_model_path: Path) -> None:
             assert resp.status == 200
 
     run(body)
+
+
+@MODES
+def test_serving_chat_sets_max_tokens(tiny_model_path: Path, mode: str) -> None:
+    """vLLM test_serving_chat.py::test_serving_chat_should_set_correct_max_tokens (max_model_len
+    100): without max_tokens the worker is asked for the rest of the context (100 minus the
+    prompt), with max_tokens 10 for 10, with max_completion_tokens 5 for 5; a limit past the
+    context is a 400 naming the field the client sent (vLLM's serving layer refuses it:
+    "maximum context length")."""
+    served = workers(mode)
+    messages = [{"role": "user", "content": "what is 1+1?"}]
+    num_prompt = len(Tokenizer(tiny_model_path).encode_chat(messages, True))
+
+    async def body() -> None:
+        async with router(tiny_model_path, served, mode=mode, max_model_len=100) as client:
+            for patch, expected in (
+                ({}, 100 - num_prompt),
+                ({"max_tokens": 10}, 10),
+                ({"max_tokens": 10, "max_completion_tokens": 5}, 5),
+            ):
+                for w in served:
+                    w.samplings.clear()
+                req = {"model": "tiny-v2", "messages": messages, **patch}
+                resp = await client.post("/v1/chat/completions", json=req)
+                assert resp.status == 200, await resp.text()
+                assert {w.samplings[-1].max_tokens for w in served if w.samplings} == {expected}
+            for field in ("max_tokens", "max_completion_tokens"):
+                req = {"model": "tiny-v2", "messages": messages, field: 100}
+                resp = await client.post("/v1/chat/completions", json=req)
+                error = (await resp.json())["error"]
+                assert resp.status == 400 and error["param"] == field, error
+                assert error["code"] == "context_length_exceeded"
+
+    run(body)
