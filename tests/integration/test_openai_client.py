@@ -400,3 +400,27 @@ def test_prompt_logprobs_in_chat_as_vllm(cluster: tuple[str, str], tiny_model_pa
             got[asked] = lps
         answers.append(json.dumps(got, sort_keys=True))
     assert len(set(answers)) == 1
+
+
+def test_prompt_logprobs_in_completions_as_vllm(cluster: tuple[str, str]) -> None:
+    """vLLM test_completion.py::test_prompt_logprobs_completion and test_echo_logprob_completion
+    on real workers and every layout: each of two prompts' choices has its prompt's
+    `prompt_logprobs` with N or N + 1 entries per position; with `echo` and `logprobs: 1` as
+    well, the echoed prompt keeps 1 or 2 alternatives per position (the worker computed 2);
+    the same on every path."""
+    prompts = ["A robot may not injure another robot", "My name is"]
+    answers = []
+    for url in layouts(cluster):
+        out = client(url).completions.create(
+            model=MODEL, prompt=prompts, max_tokens=2, temperature=0, echo=True, logprobs=1,
+            extra_body={"prompt_logprobs": 2},
+        )  # fmt: skip
+        got = []
+        for choice in out.choices:
+            lps = choice.prompt_logprobs  # type: ignore[attr-defined]
+            assert lps[0] is None and all(2 <= len(p) <= 3 for p in lps[1:])
+            tops = choice.logprobs.top_logprobs  # type: ignore[union-attr]
+            assert tops[0] is None and all(1 <= len(t) <= 2 for t in tops[1:])
+            got.append([lps, choice.logprobs.token_logprobs])  # type: ignore[union-attr]
+        answers.append(json.dumps(got, sort_keys=True))
+    assert len(set(answers)) == 1

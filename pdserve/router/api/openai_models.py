@@ -137,6 +137,9 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     # Sample this many per prompt and return the `n` with the highest total logprob.
     best_of: int | None = None
+    # Extension (vLLM's): each prompt token's logprob and this many alternatives (0..20), on
+    # each choice as `prompt_logprobs`; not with stream (as in vLLM).
+    prompt_logprobs: int | None = None
 
 
 class ContentPart(_Request):
@@ -292,6 +295,16 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None
 
 
+class PromptLogprob(BaseModel):
+    """One token at one prompt position, as vLLM's `Logprob`."""
+
+    logprob: float
+    # 1 = most likely; None for the prompt's own token when it is not among the alternatives
+    # (the worker reports the top alternatives, not every token's rank).
+    rank: int | None
+    decoded_token: str
+
+
 class CompletionChoice(BaseModel):
     """A choice of a completion, whole or as a streamed chunk."""
 
@@ -301,6 +314,10 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     # Only with `return_token_ids`: the tokens this choice (or chunk) adds.
     token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
+    # With `prompt_logprobs` (whole answers only): as ChatCompletionResponse's, per choice.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        default=None, exclude_if=lambda v: v is None
+    )
 
 
 class CompletionResponse(BaseModel):
@@ -362,16 +379,6 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
-
-
-class PromptLogprob(BaseModel):
-    """One token at one prompt position, as vLLM's `Logprob`."""
-
-    logprob: float
-    # 1 = most likely; None for the prompt's own token when it is not among the alternatives
-    # (the worker reports the top alternatives, not every token's rank).
-    rank: int | None
-    decoded_token: str
 
 
 class ChatCompletionResponse(BaseModel):

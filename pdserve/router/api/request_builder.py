@@ -94,12 +94,19 @@ class RequestBuilder:
             raise InvalidRequest("best_of: must equal n when streaming", "best_of")
         # best_of ranks samples by total logprob: they are needed even if not returned.
         logprobs = body.logprobs if best_of == body.n else max(body.logprobs or 0, 0)
-        prompt_logprobs = body.logprobs if body.echo else None
+        _check_prompt_logprobs(body.prompt_logprobs, body.stream)
+        # The worker computes the prompt's alternatives once, for echo and prompt_logprobs
+        # both (each answer is trimmed to what it asked for).
+        asked = [v for v in (body.logprobs if body.echo else None, body.prompt_logprobs)
+                 if v is not None]  # fmt: skip
+        prompt_logprobs = max(asked) if asked else None
         sampling = self._sampling(body, max_tokens, logprobs, self._grammar(body), prompt_logprobs)
         for p in prompts:
             self._check_context(p, max_tokens, "prompt")
-        return self._job("completion", "cmpl", body, prompts, sampling, best_of,
-                         body.logprobs, body.echo, echo_only)  # fmt: skip
+        job = self._job("completion", "cmpl", body, prompts, sampling, best_of,
+                        body.logprobs, body.echo, echo_only)  # fmt: skip
+        job.prompt_logprobs = body.prompt_logprobs
+        return job
 
     def chat(self, data: dict[str, Any], request_id: str | None = None) -> Job:
         """A POST /v1/chat/completions body as a job (`request_id`: its id, else a new one)."""
@@ -138,12 +145,7 @@ class RequestBuilder:
                 "top_logprobs",
             )
         top = (body.top_logprobs or 0) if body.logprobs else None
-        if body.prompt_logprobs is not None and body.stream:
-            # As vLLM: a streamed chat has no response object to carry them.
-            raise InvalidRequest(
-                "prompt_logprobs: not available with stream (send the request unstreamed)",
-                "prompt_logprobs",
-            )
+        _check_prompt_logprobs(body.prompt_logprobs, body.stream)
         sampling = self._sampling(body, max_tokens, top, grammar, body.prompt_logprobs, limit)
         self._check_context(prompt, max_tokens, "messages", limit)
         job = self._job("chat", "chatcmpl", body, [prompt], sampling, body.n, top, False, False)
@@ -353,6 +355,16 @@ class RequestBuilder:
             top_logprobs=top_logprobs,
             echo=echo,
             echo_only=echo_only,
+        )
+
+
+def _check_prompt_logprobs(prompt_logprobs: int | None, stream: bool) -> None:
+    """`prompt_logprobs` come in the whole answer only: with `stream` a 400 (vLLM refuses
+    N > 0 and silently answers none for 0; pdserve refuses both rather than drop them)."""
+    if prompt_logprobs is not None and stream:
+        raise InvalidRequest(
+            "prompt_logprobs: not available with stream (send the request unstreamed)",
+            "prompt_logprobs",
         )
 
 

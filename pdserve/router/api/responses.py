@@ -80,7 +80,7 @@ class Job:
     # Chat: the answer's role: "assistant", or with add_generation_prompt false the final
     # message's (the prompt did not open an assistant turn, so the model continues that one).
     role: str = "assistant"
-    # Chat with vLLM's `prompt_logprobs`: alternatives per prompt position; None: not asked.
+    # vLLM's `prompt_logprobs`: alternatives per prompt position; None: not asked.
     prompt_logprobs: int | None = None
     # Chat with tools (tool_choice not "none"): the output is read for calls in this format.
     tool_format: ToolFormat | None = None
@@ -163,7 +163,11 @@ def echo_logprobs(
     """Logprobs of the echoed prompt (first token: none), or None if not asked."""
     if job.top_logprobs is None:
         return None
-    entries: list[LogprobModel | None] = [None, *(choice.prompt_logprobs or [])]
+    # The worker may have computed more alternatives (for prompt_logprobs): trim to logprobs.
+    entries: list[LogprobModel | None] = [
+        None,
+        *(_trim(e, job.top_logprobs) for e in choice.prompt_logprobs or []),
+    ]
     ids = choice.prompt.token_ids
     entries = (entries + [None] * len(ids))[: len(ids)]
     return completion_logprobs(texts, ids, entries, prompt_offsets)
@@ -308,6 +312,11 @@ def whole(job: Job, choices: Sequence[ChoiceResult], texts: TokenTexts) -> BaseM
                 finish_reason=c.output.finish_reason,
                 token_ids=list(c.output.token_ids) if job.body.return_token_ids else None,
                 logprobs=lp if isinstance(lp, CompletionLogprobs) else None,
+                prompt_logprobs=None
+                if job.prompt_logprobs is None
+                else prompt_logprobs(
+                    texts, c.prompt.token_ids, c.prompt_logprobs or [], job.prompt_logprobs
+                ),
             )
         )
     return CompletionResponse(

@@ -321,3 +321,36 @@ def test_serving_chat_sets_max_tokens(tiny_model_path: Path, mode: str) -> None:
                 assert error["code"] == "context_length_exceeded"
 
     run(body)
+
+
+@MODES
+def test_prompt_logprobs_completion(tiny_model_path: Path, mode: str) -> None:
+    """test_completion.py::test_prompt_logprobs_completion (two prompts; prompt_logprobs -1,
+    0, 1, None): each choice carries its own prompt's `prompt_logprobs` (one entry per
+    prompt token, None first), none without the field, -1 a 400; (vLLM's CompletionRequest
+    validator) with `stream` a 400."""
+    tokenizer = Tokenizer(tiny_model_path)
+    prompts = ["A robot may not injure another robot", "My name is"]
+
+    async def body() -> None:
+        async with router(tiny_model_path, workers(mode), mode=mode) as client:
+            for asked in (0, 1):
+                req = completion(prompt=prompts, prompt_logprobs=asked)
+                resp = await client.post("/v1/completions", json=req)
+                choices = (await resp.json())["choices"]
+                assert resp.status == 200 and len(choices) == 2, choices
+                for prompt, choice in zip(prompts, choices, strict=True):
+                    ids = tokenizer.encode(prompt)
+                    lps = choice["prompt_logprobs"]
+                    assert len(lps) == len(ids) and lps[0] is None
+                    assert all(str(t) in p for t, p in zip(ids[1:], lps[1:], strict=True))
+            data = await (
+                await client.post("/v1/completions", json=completion(prompt=prompts))
+            ).json()
+            assert all("prompt_logprobs" not in c for c in data["choices"])
+            for bad in (completion(prompt_logprobs=-1), completion(prompt_logprobs=0, stream=True)):
+                resp = await client.post("/v1/completions", json=bad)
+                error = (await resp.json())["error"]
+                assert resp.status == 400 and error["param"] == "prompt_logprobs", error
+
+    run(body)
