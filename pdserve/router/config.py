@@ -338,6 +338,16 @@ class RouterConfig:
         group="serving (OpenAI API)",
         help="serve GET /tokenizer_info (the tokenizer's config and chat template), as vLLM",
     )
+    # Where unsent sampling fields get their defaults: "auto", the model's
+    # generation_config.json (as vLLM's default); "vllm", the API's own defaults.
+    generation_config: str = setting(
+        "auto",
+        choices=("auto", "vllm"),
+        group="serving (OpenAI API)",
+        help="auto: unsent temperature, top_p, top_k, min_p, repetition_penalty and the"
+        " max_new_tokens cap come from the model's generation_config.json (as vLLM); vllm:"
+        " the API's defaults",
+    )
     # How tool calls look in the model's output: read from `tool_choice: auto` answers, and
     # written by the grammar that forces `required` and named choices.
     tool_call_parser: str = setting(

@@ -16,7 +16,7 @@ import secrets
 import time
 import uuid
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
@@ -41,6 +41,7 @@ from pdserve.router.api.openai_models import (
     SamplingFields,
 )
 from pdserve.router.api.responses import Job, PromptInput
+from pdserve.router.api.sampling_defaults import SamplingDefaults
 from pdserve.router.api.tool_request import ToolGrammars, tool_request
 from pdserve.tools.formats import HERMES, ToolFormat
 from pdserve.tools.messages import template_messages
@@ -64,6 +65,8 @@ class BuilderConfig:
     allow_unknown_fields: bool = False
     # The shape of tool calls in this model's output (--tool-call-parser).
     tool_format: ToolFormat = HERMES
+    # The model's sampling defaults (generation_config.json; none with --generation-config vllm).
+    defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
 
 class RequestBuilder:
@@ -84,7 +87,7 @@ class RequestBuilder:
         echo_only = body.max_tokens == 0
         if echo_only and not body.echo:
             raise InvalidRequest("max_tokens: 0 is only allowed with echo", "max_tokens")
-        max_tokens = 1 if echo_only else _or(body.max_tokens, 16)
+        max_tokens = 1 if echo_only else self._config.defaults.cap(_or(body.max_tokens, 16))
         best_of = _or(body.best_of, body.n)
         if not body.n <= best_of <= MAX_CHOICES:
             raise InvalidRequest(
@@ -134,6 +137,7 @@ class RequestBuilder:
         # OpenAI's default for chat is "until the context is full".
         default = max(self._config.max_model_len - len(ids), 1)
         max_tokens = _or(body.max_completion_tokens, _or(body.max_tokens, default))
+        max_tokens = self._config.defaults.cap(max_tokens)
         # An error about the output limit names the field the client actually sent.
         limit = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         if body.top_logprobs is not None and not body.logprobs:
@@ -220,13 +224,15 @@ class RequestBuilder:
     ) -> SamplingModel:
         if body.seed is not None and not 0 <= body.seed < _SEED_LIMIT:
             raise InvalidRequest(f"seed: must be in [0, 2**63), got {body.seed}", "seed")
+        # What the client did not send comes from the model's generation_config (as vLLM).
+        sent, model = body.model_fields_set, self._config.defaults
         try:
             params = SamplingParams(
                 max_tokens=max_tokens,
-                temperature=body.temperature,
-                top_k=body.top_k,
-                top_p=body.top_p,
-                min_p=body.min_p,
+                temperature=model.value("temperature", sent, body.temperature),
+                top_k=model.value("top_k", sent, body.top_k),
+                top_p=model.value("top_p", sent, body.top_p),
+                min_p=model.value("min_p", sent, body.min_p),
                 # Drawn here when absent, so the prefill, decode and any migration target all
                 # sample with one seed: a replay then continues the same random stream.
                 seed=body.seed if body.seed is not None else secrets.randbits(63),
@@ -236,17 +242,17 @@ class RequestBuilder:
                 min_tokens=body.min_tokens,
                 presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty,
-                repetition_penalty=body.repetition_penalty,
+                repetition_penalty=model.value("repetition_penalty", sent, body.repetition_penalty),
                 logit_bias=self._logit_bias(body.logit_bias),
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 grammar=grammar,
             )
         except SamplingParamsError as exc:
-            field, _, rest = str(exc).partition(":")
-            if field == "max_tokens":
+            param, _, rest = str(exc).partition(":")
+            if param == "max_tokens":
                 raise InvalidRequest(f"{limit_param}:{rest}", limit_param) from exc
-            raise InvalidRequest(str(exc), field) from exc
+            raise InvalidRequest(str(exc), param) from exc
         return SamplingModel.from_params(params)
 
     def _token_ids(self, ids: Collection[int], param: str) -> list[int]:

@@ -9,6 +9,7 @@ tests/integration/test_openai_client.py."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -352,5 +353,51 @@ def test_prompt_logprobs_completion(tiny_model_path: Path, mode: str) -> None:
                 resp = await client.post("/v1/completions", json=bad)
                 error = (await resp.json())["error"]
                 assert resp.status == 400 and error["param"] == "prompt_logprobs", error
+
+    run(body)
+
+
+@pytest.mark.parametrize("source", ["auto", "vllm"])
+def test_serving_chat_loads_generation_config(
+    tiny_model_path: Path, tmp_path: Path, source: str
+) -> None:
+    """vLLM test_serving_chat.py::test_serving_chat_could_load_correct_generation_config and
+    the server-side half of test_serving_chat_should_set_correct_max_tokens: with the model's
+    generation_config.json setting temperature 0.5, repetition_penalty 1.05 and
+    max_new_tokens 10, a request that sends neither is sampled with them, one that sends
+    temperature (0.1, or 0.0) keeps its own and the model's repetition_penalty, and
+    max_tokens is capped at 10 (15 -> 10, 5 stays 5), in chat and completions.
+    `--generation-config vllm` ignores the file (the API's defaults)."""
+    model = tmp_path / "tiny-v2"
+    shutil.copytree(tiny_model_path, model)
+    config = json.loads((model / "generation_config.json").read_text())
+    config.update(temperature=0.5, repetition_penalty=1.05, max_new_tokens=10)
+    (model / "generation_config.json").write_text(json.dumps(config))
+    served = workers("colocated")
+    auto = source == "auto"
+
+    async def sampled(client: Any, path: str, req: dict[str, Any]) -> Any:
+        resp = await client.post(path, json=req)
+        assert resp.status == 200, await resp.text()
+        return served[0].samplings[-1]
+
+    async def body() -> None:
+        async with router(model, served, mode="colocated", generation_config=source) as client:
+            plain = {"model": "tiny-v2", "messages": [{"role": "user", "content": "1+1?"}]}
+            for path, req in (("/v1/chat/completions", plain),
+                              ("/v1/completions", {"model": "tiny-v2", "prompt": "1+1?"})):  # fmt: skip
+                got = await sampled(client, path, req)
+                assert got.temperature == (0.5 if auto else 1.0)
+                assert got.repetition_penalty == (1.05 if auto else 1.0)
+                for sent in (0.1, 0.0):
+                    got = await sampled(client, path, {**req, "temperature": sent})
+                    assert got.temperature == sent
+                    assert got.repetition_penalty == (1.05 if auto else 1.0)
+                for asked, expected in ((15, 10 if auto else 15), (5, 5)):
+                    got = await sampled(client, path, {**req, "max_tokens": asked})
+                    assert got.max_tokens == expected
+            got = await sampled(client, "/v1/chat/completions", plain)
+            assert got.max_tokens == (10 if auto else 2048 - len(
+                Tokenizer(model).encode_chat(plain["messages"], True)))  # fmt: skip
 
     run(body)
