@@ -198,6 +198,9 @@ INVALID_SCHEMA = {"type": "object", "properties": {"foo": "bar"}}
         ({"logit_bias": {"1": "not_a_number"}}, "logit_bias"),
         # README's deliberate difference: no beam search (test_batch_completions sends it).
         ({"use_beam_search": True}, "use_beam_search"),
+        # test_serving_chat.py::test_serving_chat_did_set_correct_cache_salt: vLLM salts the
+        # prefix cache per request; pdserve does not (README), and says so.
+        ({"cache_salt": "test_salt"}, "cache_salt"),
     ],
 )
 def test_invalid_requests_are_400s_naming_the_field(
@@ -211,6 +214,8 @@ def test_invalid_requests_are_400s_naming_the_field(
                 resp = await client.post(path, json={**req, **patch})
                 error = (await resp.json())["error"]
                 assert resp.status == 400 and error["param"] == param, (path, error)
+                if param in ("use_beam_search", "cache_salt"):
+                    assert error["code"] == "unsupported_parameter", error
                 if param == "logit_bias" and "bad1" in patch["logit_bias"]:
                     assert "bad1" in error["message"] and "bad2" in error["message"]
 
