@@ -406,3 +406,37 @@ def test_serving_chat_loads_generation_config(
                 Tokenizer(model).encode_chat(plain["messages"], True)))  # fmt: skip
 
     run(body)
+
+
+def test_prompt_body_and_stop_token_validation(tiny_model_path: Path) -> None:
+    """test_chat_stop_token_ids_validation.py (the vocabulary's last id is taken; one past it
+    is a 400 whose message names the id and the vocabulary size; a negative id a 400),
+    test_empty_prompt_list.py and test_prompt_validation.py (an empty prompt list, a null
+    prompt, a token id out of the vocabulary: 400s), test_non_object_body_validation.py (a
+    body that is bad JSON, a string, a list, a number or null: a 400, never a 500)."""
+    vocab = Tokenizer(tiny_model_path).vocab_size
+
+    async def body() -> None:
+        async with router(tiny_model_path, workers("colocated"), mode="colocated") as client:
+            resp = await client.post("/v1/chat/completions", json=chat(stop_token_ids=[vocab - 1]))
+            assert resp.status == 200, await resp.text()
+            for ids in ([vocab + 1], [-1]):
+                resp = await client.post("/v1/chat/completions", json=chat(stop_token_ids=ids))
+                error = (await resp.json())["error"]
+                assert resp.status == 400 and error["param"] == "stop_token_ids", error
+                if ids[0] > 0:
+                    assert str(vocab + 1) in error["message"] and str(vocab) in error["message"]
+            for prompt in ([], None, [999999]):
+                resp = await client.post("/v1/completions", json=completion(prompt=prompt))
+                error = (await resp.json())["error"]
+                assert resp.status == 400 and error["param"] == "prompt", error
+            for raw in (b"this is not valid json{{{", b'"text"', b'["not", "an", "object"]',
+                        b"42", b"null"):  # fmt: skip
+                for path in ("/v1/completions", "/v1/chat/completions"):
+                    resp = await client.post(
+                        path, data=raw, headers={"Content-Type": "application/json"}
+                    )
+                    error = (await resp.json())["error"]
+                    assert resp.status == 400 and error["message"], (path, raw, error)
+
+    run(body)
