@@ -314,6 +314,8 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     # Only with `return_token_ids`: the tokens this choice (or chunk) adds.
     token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
+    # Only with `return_token_ids` (as vLLM): the choice's prompt, whole or on its first chunk.
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
     # With `prompt_logprobs` (whole answers only): as ChatCompletionResponse's, per choice.
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
         default=None, exclude_if=lambda v: v is None
@@ -390,6 +392,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    # Only with `return_token_ids` (as vLLM): the prompt the chat template made.
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
     # With `prompt_logprobs`: per prompt position (the first: None, nothing predicts it) the
     # prompt's token and the alternatives, keyed by token id.
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
@@ -424,6 +428,8 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    # Only with `return_token_ids`, on the stream's first chunk (as vLLM): the prompt.
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ModelCard(BaseModel):

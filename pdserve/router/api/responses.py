@@ -293,6 +293,7 @@ def whole(job: Job, choices: Sequence[ChoiceResult], texts: TokenTexts) -> BaseM
         return ChatCompletionResponse(
             id=job.request_id, created=job.created, model=job.body.model,
             choices=chat_choices, usage=counts, prompt_logprobs=prompt_lps,
+            prompt_token_ids=list(job.prompt_token_ids) if job.body.return_token_ids else None,
         )  # fmt: skip
     out = []
     for c in choices:
@@ -312,6 +313,7 @@ def whole(job: Job, choices: Sequence[ChoiceResult], texts: TokenTexts) -> BaseM
                 finish_reason=c.output.finish_reason,
                 token_ids=list(c.output.token_ids) if job.body.return_token_ids else None,
                 logprobs=lp if isinstance(lp, CompletionLogprobs) else None,
+                prompt_token_ids=list(c.prompt.token_ids) if job.body.return_token_ids else None,
                 prompt_logprobs=None
                 if job.prompt_logprobs is None
                 else prompt_logprobs(

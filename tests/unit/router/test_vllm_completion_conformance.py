@@ -440,3 +440,52 @@ def test_prompt_body_and_stop_token_validation(tiny_model_path: Path) -> None:
                     assert resp.status == 400 and error["message"], (path, raw, error)
 
     run(body)
+
+
+@MODES
+def test_return_token_ids(tiny_model_path: Path, mode: str) -> None:
+    """test_return_token_ids.py (test_basic_completion_with_emoji, test_chat_completion_with_
+    emoji_and_token_ids, the streamed half of test_comparison_with_prompt_logprobs_and_
+    logprobs): with `return_token_ids` a completion choice carries its `prompt_token_ids`
+    (streamed: on its first chunk) and its `token_ids`, whose decode starts the text; a chat
+    answer carries the template's `prompt_token_ids` (streamed: on the first chunk only) and
+    each choice's `token_ids`, streamed as the whole answer's; without the field none of
+    them."""
+    tokenizer = Tokenizer(tiny_model_path)
+    prompt = "Complete this sentence with emojis: I love coding 🚀"
+    messages = [{"role": "system", "content": "You like emojis."},
+                {"role": "user", "content": "Repeat after me: I love cats 🐱"}]  # fmt: skip
+    chat_ids = tokenizer.encode_chat(messages, True)
+
+    async def body() -> None:
+        async with router(tiny_model_path, workers(mode), mode=mode) as client:
+            req = completion(5, prompt=prompt, logprobs=1, return_token_ids=True)
+            choice = (await (await client.post("/v1/completions", json=req)).json())["choices"][0]
+            assert choice["prompt_token_ids"] == tokenizer.encode(prompt)
+            assert choice["token_ids"] == TOKENS[:5]
+            assert tokenizer.decode(choice["token_ids"]).startswith(choice["text"])
+            resp = await client.post("/v1/completions", json={**req, "stream": True})
+            chunks = events(await resp.read())
+            assert chunks[0]["choices"][0]["prompt_token_ids"] == tokenizer.encode(prompt)
+            assert all("prompt_token_ids" not in c["choices"][0] for c in chunks[1:])
+            streamed = [t for c in chunks for t in c["choices"][0].get("token_ids") or []]
+            assert streamed == TOKENS[:5]
+            req = chat(messages=messages, max_tokens=5, logprobs=True, return_token_ids=True)
+            data = await (await client.post("/v1/chat/completions", json=req)).json()
+            assert data["prompt_token_ids"] == chat_ids
+            assert data["choices"][0]["token_ids"] == TOKENS[:5]
+            assert "I love cats 🐱" in tokenizer.decode(data["prompt_token_ids"])
+            resp = await client.post("/v1/chat/completions", json={**req, "stream": True})
+            chunks = events(await resp.read())
+            assert chunks[0]["prompt_token_ids"] == chat_ids
+            assert all("prompt_token_ids" not in c for c in chunks[1:])
+            streamed = [t for c in chunks for t in c["choices"][0].get("token_ids") or []]
+            assert streamed == TOKENS[:5]
+            for path, plain in (("/v1/completions", completion(prompt=prompt)),
+                                ("/v1/chat/completions", chat())):  # fmt: skip
+                data = await (await client.post(path, json=plain)).json()
+                assert "prompt_token_ids" not in data
+                assert all("prompt_token_ids" not in c and "token_ids" not in c
+                           for c in data["choices"])  # fmt: skip
+
+    run(body)
