@@ -489,3 +489,51 @@ def test_return_token_ids(tiny_model_path: Path, mode: str) -> None:
                            for c in data["choices"])  # fmt: skip
 
     run(body)
+
+
+TOOL = {"type": "function",
+        "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}  # fmt: skip
+
+
+@MODES
+def test_tool_choice_null_fingerprint_and_text_offsets(tiny_model_path: Path, mode: str) -> None:
+    """test_tool_choice_null.py (`tool_choice: null` means the same as no tool_choice, with or
+    without tools, and does not clash with structured_outputs; "bogus", and "auto" without
+    tools, are 400s), test_system_fingerprint_none.py (no `system_fingerprint` key rather than
+    a null one) and test_completion_text_offset.py (the streamed `text_offset`s, with a stop
+    string holding text back, equal the whole answer's)."""
+    served = workers(mode)
+
+    async def body() -> None:
+        async with router(tiny_model_path, served, mode=mode) as client:
+            for patch in ({"tools": [TOOL]}, {}):
+                sent = []
+                for extra in ({}, {"tool_choice": None}):
+                    for w in served:
+                        w.samplings.clear()
+                    resp = await client.post(
+                        "/v1/chat/completions", json=chat(seed=1, **patch, **extra)
+                    )
+                    assert resp.status == 200, await resp.text()
+                    sent.append([s.model_dump() for w in served for s in w.samplings])
+                assert sent[0] == sent[1]
+            resp = await client.post(
+                "/v1/chat/completions",
+                json=chat(tool_choice=None, structured_outputs={"json": {"type": "object"}}),
+            )
+            assert resp.status == 200, await resp.text()
+            for bad in (chat(tools=[TOOL], tool_choice="bogus"), chat(tool_choice="auto")):
+                resp = await client.post("/v1/chat/completions", json=bad)
+                error = (await resp.json())["error"]
+                assert resp.status == 400 and error["param"] == "tool_choice", error
+            for path, req in (("/v1/chat/completions", chat()), ("/v1/completions", completion())):
+                data = await (await client.post(path, json=req)).json()
+                assert "system_fingerprint" not in data
+            req = completion(5, prompt="Hi", logprobs=0, stop=["\n\n"])
+            whole = (await (await client.post("/v1/completions", json=req)).json())["choices"][0]
+            resp = await client.post("/v1/completions", json={**req, "stream": True})
+            offsets = [o for c in events(await resp.read())
+                       for o in (c["choices"][0]["logprobs"] or {}).get("text_offset", [])]  # fmt: skip
+            assert offsets == whole["logprobs"]["text_offset"] and len(offsets) == 5
+
+    run(body)
