@@ -204,3 +204,28 @@ def test_prompt_logprobs_in_chat(tiny_model_path: Path, mode: str) -> None:
                 assert resp.status == 400 and error["param"] == "prompt_logprobs", error
 
     run(body)
+
+
+@MODES
+def test_echo_only_echoes_the_answers_own_turn(tiny_model_path: Path, mode: str) -> None:
+    """vLLM test_batched_chat_completions.py::test_batched_echo_does_not_prepend_user_prompt
+    and ::test_batched_echo_prepends_matching_assistant_prefix (the same rule as its single
+    chat): with `echo` and add_generation_prompt, the final user message is not echoed; a
+    final assistant message being continued is."""
+    tokenizer = Tokenizer(tiny_model_path)
+    answer = tokenizer.decode(TOKENS)
+
+    async def body() -> None:
+        async with router(tiny_model_path, workers(mode), mode=mode) as client:
+            user = [{"role": "user", "content": "USER PROMPT"}]
+            data = await (
+                await client.post("/v1/chat/completions", json=chat(messages=user, echo=True))
+            ).json()
+            assert data["choices"][0]["message"]["content"] == answer
+            prefix = [*user, {"role": "assistant", "content": "PREFIX "}]
+            req = chat(messages=prefix, echo=True, add_generation_prompt=False,
+                       continue_final_message=True)  # fmt: skip
+            data = await (await client.post("/v1/chat/completions", json=req)).json()
+            assert data["choices"][0]["message"]["content"] == "PREFIX " + answer
+
+    run(body)
