@@ -53,6 +53,9 @@ class Tokenizer:
         config = read_json_object(
             folder / TOKENIZER_CONFIG_FILE, "tokenizer config", required=False
         )
+        # tokenizer_config.json as read (GET /tokenizer_info serves it, as vLLM serves
+        # transformers' init_kwargs).
+        self.tokenizer_config: dict[str, Any] = config
         template_path = folder / CHAT_TEMPLATE_FILE
         template_text = template_path.read_text("utf-8") if template_path.is_file() else None
         self.chat_template = _chat_template(config) or template_text
@@ -157,6 +160,21 @@ class Tokenizer:
         """Each id's vocabulary entry as stored (byte-level pieces such as "Ġworld" kept as
         they are), as transformers' `convert_ids_to_tokens` gives them."""
         return [self._tok.id_to_token(t) or "" for t in token_ids]
+
+    def added_tokens(self) -> dict[str, dict[str, Any]]:
+        """The vocabulary's added tokens by id (as a string), each as transformers serializes
+        an AddedToken in `added_tokens_decoder`."""
+        return {
+            str(token_id): {
+                "content": t.content,
+                "lstrip": t.lstrip,
+                "normalized": t.normalized,
+                "rstrip": t.rstrip,
+                "single_word": t.single_word,
+                "special": t.special,
+            }
+            for token_id, t in sorted(self._tok.get_added_tokens_decoder().items())
+        }
 
     def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         """A fresh incremental detokenizer over this tokenizer."""

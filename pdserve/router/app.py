@@ -419,7 +419,9 @@ async def create_app(config: RouterConfig, clock: Clock | None = None) -> web.Ap
     api = OpenAIApi(config, tokenizer, max_model_len, dispatcher, metrics)
     metrics.handoff_spikes = api.spikes.counts
     api.add_routes(app)
-    TokenizeApi(tokenizer, max_model_len, config.accepted_model_names).add_routes(app)
+    TokenizeApi(tokenizer, max_model_len, config.accepted_model_names).add_routes(
+        app, tokenizer_info=config.enable_tokenizer_info_endpoint
+    )
     routes = _Routes(
         config,
         pool,

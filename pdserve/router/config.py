@@ -340,6 +340,24 @@ class RouterConfig:
         group="serving (OpenAI API)",
         help="drop (and log) unknown request fields instead of answering 400",
     )
+    # Serve GET /tokenizer_info (the tokenizer's configuration and chat template), off by
+    # default as in vLLM (`--enable-tokenizer-info-endpoint`): it exposes the template.
+    enable_tokenizer_info_endpoint: bool = setting(
+        False,
+        action="store_true",
+        group="serving (OpenAI API)",
+        help="serve GET /tokenizer_info (the tokenizer's config and chat template), as vLLM",
+    )
+    # Where unsent sampling fields get their defaults: "auto", the model's
+    # generation_config.json (as vLLM's default); "vllm", the API's own defaults.
+    generation_config: str = setting(
+        "auto",
+        choices=("auto", "vllm"),
+        group="serving (OpenAI API)",
+        help="auto: unsent temperature, top_p, top_k, min_p, repetition_penalty and the"
+        " max_new_tokens cap come from the model's generation_config.json (as vLLM); vllm:"
+        " the API's defaults",
+    )
     # How tool calls look in the model's output: read from `tool_choice: auto` answers, and
     # written by the grammar that forces `required` and named choices.
     tool_call_parser: str = setting(

@@ -372,3 +372,55 @@ def test_logprobs_streaming_and_stream_options_as_vllm(cluster: tuple[str, str])
             assert u.prompt_tokens + u.completion_tokens == u.total_tokens
             with pytest.raises(openai.BadRequestError):
                 create(**req, stream=False, stream_options={"include_usage": True})  # type: ignore[operator]
+
+
+def test_prompt_logprobs_in_chat_as_vllm(cluster: tuple[str, str], tiny_model_path: Path) -> None:
+    """vLLM tests/entrypoints/openai/chat_completion/test_chat.py::test_prompt_logprobs_chat and
+    test_more_than_one_prompt_logprobs_chat, on real workers and every layout (colocated,
+    disaggregated, re-prefilled): one entry per prompt token, None first; with N alternatives
+    each position has N entries, N + 1 when the prompt's own token is not among them; the
+    same values on every path."""
+    tok = Tokenizer(tiny_model_path)
+    messages = [{"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "Who won the world series in 2020?"}]  # fmt: skip
+    num_prompt = len(tok.encode_chat(messages, True))
+    answers = []
+    for url in layouts(cluster):
+        got = {}
+        for asked in (1, 2):
+            out = client(url).chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=2, temperature=0,  # type: ignore[arg-type]
+                extra_body={"prompt_logprobs": asked},
+            )  # fmt: skip
+            lps = out.prompt_logprobs  # type: ignore[attr-defined]
+            assert len(lps) == num_prompt and lps[0] is None
+            assert all(asked <= len(p) <= asked + 1 for p in lps[1:])
+            ranks = [sorted(e["rank"] for e in p.values() if e["rank"]) for p in lps[1:]]
+            assert all(r == list(range(1, asked + 1)) for r in ranks)
+            got[asked] = lps
+        answers.append(json.dumps(got, sort_keys=True))
+    assert len(set(answers)) == 1
+
+
+def test_prompt_logprobs_in_completions_as_vllm(cluster: tuple[str, str]) -> None:
+    """vLLM test_completion.py::test_prompt_logprobs_completion and test_echo_logprob_completion
+    on real workers and every layout: each of two prompts' choices has its prompt's
+    `prompt_logprobs` with N or N + 1 entries per position; with `echo` and `logprobs: 1` as
+    well, the echoed prompt keeps 1 or 2 alternatives per position (the worker computed 2);
+    the same on every path."""
+    prompts = ["A robot may not injure another robot", "My name is"]
+    answers = []
+    for url in layouts(cluster):
+        out = client(url).completions.create(
+            model=MODEL, prompt=prompts, max_tokens=2, temperature=0, echo=True, logprobs=1,
+            extra_body={"prompt_logprobs": 2},
+        )  # fmt: skip
+        got = []
+        for choice in out.choices:
+            lps = choice.prompt_logprobs  # type: ignore[attr-defined]
+            assert lps[0] is None and all(2 <= len(p) <= 3 for p in lps[1:])
+            tops = choice.logprobs.top_logprobs  # type: ignore[union-attr]
+            assert tops[0] is None and all(1 <= len(t) <= 2 for t in tops[1:])
+            got.append([lps, choice.logprobs.token_logprobs])  # type: ignore[union-attr]
+        answers.append(json.dumps(got, sort_keys=True))
+    assert len(set(answers)) == 1

@@ -10,7 +10,7 @@ from pydantic import BaseModel
 from pdserve.router.api import responses, sse
 from pdserve.router.api.fanout import ChoiceRun, Piece
 from pdserve.router.api.logprobs_format import TokenTexts
-from pdserve.router.api.openai_models import ChatDelta
+from pdserve.router.api.openai_models import ChatCompletionChunk, ChatDelta, CompletionResponse
 from pdserve.router.api.responses import ChoiceResult, Job, error_body
 
 
@@ -29,10 +29,11 @@ class ChatRender:
 
     def events(self, piece: Piece) -> list[bytes]:
         """The SSE events of one streamed piece (a choice's opening on its first)."""
-        job, out = self._job, []
-        if piece.index not in self._opened:
+        job, models = self._job, []
+        first = piece.index not in self._opened
+        if first:
             self._opened.add(piece.index)
-            out += [sse.encode_event(b) for b in self._opening(self._results[piece.index])]
+            models += self._opening(self._results[piece.index])
         if (
             piece.text
             or piece.tool_calls
@@ -52,8 +53,19 @@ class ChatRender:
             )
             body = responses.chunk(job, piece.index, piece.text, piece.finish_reason,
                                    piece.token_ids, lp, so_far, piece.tool_calls)  # fmt: skip
-            out.append(sse.encode_event(body))
-        return out
+            models.append(body)
+        if first and models and job.body.return_token_ids:
+            self._add_prompt_ids(models[0], self._results[piece.index])
+        return [sse.encode_event(m) for m in models]
+
+    def _add_prompt_ids(self, model: BaseModel, choice: ChoiceResult) -> None:
+        """With return_token_ids, vLLM sends the prompt once: on a completion choice's first
+        chunk (each choice has its own prompt), on a chat stream's very first chunk."""
+        ids = list(choice.prompt.token_ids)
+        if isinstance(model, CompletionResponse):
+            model.choices[0].prompt_token_ids = ids
+        elif isinstance(model, ChatCompletionChunk) and len(self._opened) == 1:
+            model.prompt_token_ids = ids
 
     def whole(self, chosen: Sequence[ChoiceResult]) -> BaseModel:
         """The answer of a request that was not streamed."""
@@ -73,7 +85,7 @@ class ChatRender:
         with continuous usage, the role chunk carries the usage so far too (as vLLM's)."""
         job = self._job
         if job.kind == "chat":
-            chunk = responses.chat_chunk(job, choice.index, ChatDelta(role="assistant"))
+            chunk = responses.chat_chunk(job, choice.index, ChatDelta(role=job.role))
             if job.body.continuous_usage:
                 chunk.usage = responses.usage(job, [r.result for r in self._runs])
             if not job.chat_echo:

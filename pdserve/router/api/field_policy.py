@@ -58,6 +58,16 @@ _COMMON: dict[str, _Rule] = {
     "metadata": _Rule(_any, ""),
     "service_tier": _Rule(lambda v: v in (None, "auto", "default"), "there is one tier"),
     "verbosity": _Rule(_none, "verbosity is not implemented"),
+    # vLLM extensions pdserve does not serve (README, deliberate differences).
+    "use_beam_search": _Rule(
+        lambda v: v in (None, False), "beam search is not implemented; n samples independently"
+    ),
+    "cache_salt": _Rule(
+        _none, "prefix-cache isolation is not implemented: every request shares the cache"
+    ),
+    "return_tokens_as_token_ids": _Rule(
+        lambda v: v in (None, False), "logprob tokens are their text; return_token_ids gives ids"
+    ),
 }
 _COMPLETION_ONLY: dict[str, _Rule] = {
     "suffix": _Rule(_none_or_empty, "insertion (suffix) is not implemented"),

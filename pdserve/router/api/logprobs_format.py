@@ -22,6 +22,7 @@ from pdserve.router.api.openai_models import (
     ChatTokenLogprob,
     ChatTopLogprob,
     CompletionLogprobs,
+    PromptLogprob,
 )
 
 _FLOOR = -9999.0
@@ -91,3 +92,23 @@ def chat_logprobs(texts: TokenTexts, entries: Sequence[LogprobModel]) -> ChatLog
             )
         )
     return ChatLogprobs(content=content)
+
+
+def prompt_logprobs(
+    texts: TokenTexts, token_ids: Sequence[int], entries: Sequence[LogprobModel], num_top: int
+) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's `prompt_logprobs` for a prompt of `token_ids` whose positions 1.. have `entries`
+    (position 0 has none); `num_top` alternatives each, then the prompt's token if not among
+    them."""
+    out: list[dict[str, PromptLogprob] | None] = [None]
+    for token_id, e in zip(token_ids[1:], entries, strict=False):
+        position: dict[str, PromptLogprob] = {}
+        top = list(zip(e.top_token_ids, e.top_logprobs, strict=True))[:num_top]
+        for rank, (t, v) in enumerate(top, start=1):
+            position[str(t)] = PromptLogprob(logprob=_value(v), rank=rank, decoded_token=texts(t))
+        if str(token_id) not in position:
+            position[str(token_id)] = PromptLogprob(
+                logprob=_value(e.logprob), rank=None, decoded_token=texts(token_id)
+            )
+        out.append(position)
+    return out

@@ -44,6 +44,19 @@ class ResponseFormat(_Request):
     json_schema: JsonSchemaFormat | None = None
 
 
+class StructuredOutputs(_Request):
+    """`structured_outputs`, vLLM's newer form of the guided_* fields: one of its keys (a key
+    vLLM has beyond these, e.g. `whitespace_pattern`, is refused by name)."""
+
+    # `json` on the wire (the attribute name would shadow BaseModel.json).
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    # As response_format {"type": "json_object"}: any JSON object.
+    json_object: bool | None = None
+
+
 class SamplingFields(_Request):
     """Fields common to completions and chat completions."""
 
@@ -85,6 +98,8 @@ class SamplingFields(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # Extension (vLLM's current name for the same): at most one structured-output request.
+    structured_outputs: StructuredOutputs | None = None
 
     def stop_list(self) -> list[str]:
         """`stop` as a list (a single string is one stop string)."""
@@ -122,6 +137,9 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     # Sample this many per prompt and return the `n` with the highest total logprob.
     best_of: int | None = None
+    # Extension (vLLM's): each prompt token's logprob and this many alternatives (0..20), on
+    # each choice as `prompt_logprobs`; not with stream (as in vLLM).
+    prompt_logprobs: int | None = None
 
 
 class ContentPart(_Request):
@@ -219,6 +237,9 @@ class ChatCompletionRequest(SamplingFields):
     # Extension (vLLM's): each choice's content starts with the final message's text when that
     # message has the answer's role (with add_generation_prompt false: always).
     echo: bool = False
+    # Extension (vLLM's): each prompt token's logprob and this many alternatives (0..20),
+    # answered as the response's `prompt_logprobs`; not with stream (as in vLLM).
+    prompt_logprobs: int | None = None
     tools: list[ToolDefinition] | None = None
     # Default: "auto" with tools, "none" without.
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -274,6 +295,16 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None
 
 
+class PromptLogprob(BaseModel):
+    """One token at one prompt position, as vLLM's `Logprob`."""
+
+    logprob: float
+    # 1 = most likely; None for the prompt's own token when it is not among the alternatives
+    # (the worker reports the top alternatives, not every token's rank).
+    rank: int | None
+    decoded_token: str
+
+
 class CompletionChoice(BaseModel):
     """A choice of a completion, whole or as a streamed chunk."""
 
@@ -283,6 +314,12 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     # Only with `return_token_ids`: the tokens this choice (or chunk) adds.
     token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
+    # Only with `return_token_ids` (as vLLM): the choice's prompt, whole or on its first chunk.
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
+    # With `prompt_logprobs` (whole answers only): as ChatCompletionResponse's, per choice.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        default=None, exclude_if=lambda v: v is None
+    )
 
 
 class CompletionResponse(BaseModel):
@@ -312,9 +349,10 @@ class ToolCallOut(BaseModel):
 
 
 class ChatMessageOut(BaseModel):
-    """The assistant's message of a whole chat completion (content None when it only calls)."""
+    """The answer's message of a whole chat completion (content None when it only calls)."""
 
-    role: Literal["assistant"] = "assistant"
+    # "assistant", or with add_generation_prompt false the final message's role (as vLLM).
+    role: str = "assistant"
     content: str | None
     tool_calls: list[ToolCallOut] | None = Field(default=None, exclude_if=lambda v: v is None)
 
@@ -354,12 +392,19 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    # Only with `return_token_ids` (as vLLM): the prompt the chat template made.
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
+    # With `prompt_logprobs`: per prompt position (the first: None, nothing predicts it) the
+    # prompt's token and the alternatives, keyed by token id.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        default=None, exclude_if=lambda v: v is None
+    )
 
 
 class ChatDelta(BaseModel):
     """What a chat chunk adds: the role on the first chunk, then content and calls."""
 
-    role: Literal["assistant"] | None = None
+    role: str | None = None
     content: str | None = None
     tool_calls: list[ToolCallDeltaOut] | None = Field(default=None, exclude_if=lambda v: v is None)
 
@@ -383,6 +428,8 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    # Only with `return_token_ids`, on the stream's first chunk (as vLLM): the prompt.
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ModelCard(BaseModel):

@@ -41,6 +41,7 @@ from pdserve.router.api.request_builder import BuilderConfig, RequestBuilder
 from pdserve.router.api.responses import Job
 from pdserve.router.api.responses_api.routes import ResponsesApi
 from pdserve.router.api.responses_api.store import ResponseStore
+from pdserve.router.api.sampling_defaults import SamplingDefaults, read_sampling_defaults
 from pdserve.router.config import RouterConfig
 from pdserve.router.flows import progress
 from pdserve.router.flows.dispatcher import Dispatcher
@@ -72,6 +73,9 @@ class OpenAIApi:
                 max_model_len=max_model_len,
                 allow_unknown_fields=config.allow_unknown_fields,
                 tool_format=FORMATS[config.tool_call_parser],
+                defaults=read_sampling_defaults(config.model)
+                if config.generation_config == "auto"
+                else SamplingDefaults(),
             ),
             tokenizer,
         )

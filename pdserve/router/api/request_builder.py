@@ -16,7 +16,7 @@ import secrets
 import time
 import uuid
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
@@ -30,7 +30,7 @@ from pdserve.errors import (
     SamplingParamsError,
 )
 from pdserve.model.tokenizer import Tokenizer
-from pdserve.protocol.sampling import GrammarKind, GrammarSpec, SamplingParams
+from pdserve.protocol.sampling import MAX_LOGPROBS, GrammarKind, GrammarSpec, SamplingParams
 from pdserve.router.api import field_policy
 from pdserve.router.api.json_body import validate
 from pdserve.router.api.openai_models import (
@@ -40,6 +40,7 @@ from pdserve.router.api.openai_models import (
     SamplingFields,
 )
 from pdserve.router.api.responses import Job, PromptInput
+from pdserve.router.api.sampling_defaults import SamplingDefaults
 from pdserve.router.api.tool_request import ToolGrammars, tool_request
 from pdserve.tools.formats import HERMES, ToolFormat
 from pdserve.tools.messages import template_messages
@@ -63,6 +64,8 @@ class BuilderConfig:
     allow_unknown_fields: bool = False
     # The shape of tool calls in this model's output (--tool-call-parser).
     tool_format: ToolFormat = HERMES
+    # The model's sampling defaults (generation_config.json; none with --generation-config vllm).
+    defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
 
 class RequestBuilder:
@@ -83,7 +86,7 @@ class RequestBuilder:
         echo_only = body.max_tokens == 0
         if echo_only and not body.echo:
             raise InvalidRequest("max_tokens: 0 is only allowed with echo", "max_tokens")
-        max_tokens = 1 if echo_only else _or(body.max_tokens, 16)
+        max_tokens = 1 if echo_only else self._config.defaults.cap(_or(body.max_tokens, 16))
         best_of = _or(body.best_of, body.n)
         if not body.n <= best_of <= MAX_CHOICES:
             raise InvalidRequest(
@@ -93,12 +96,19 @@ class RequestBuilder:
             raise InvalidRequest("best_of: must equal n when streaming", "best_of")
         # best_of ranks samples by total logprob: they are needed even if not returned.
         logprobs = body.logprobs if best_of == body.n else max(body.logprobs or 0, 0)
-        prompt_logprobs = body.logprobs if body.echo else None
+        _check_prompt_logprobs(body.prompt_logprobs, body.stream)
+        # The worker computes the prompt's alternatives once, for echo and prompt_logprobs
+        # both (each answer is trimmed to what it asked for).
+        asked = [v for v in (body.logprobs if body.echo else None, body.prompt_logprobs)
+                 if v is not None]  # fmt: skip
+        prompt_logprobs = max(asked) if asked else None
         sampling = self._sampling(body, max_tokens, logprobs, self._grammar(body), prompt_logprobs)
         for p in prompts:
             self._check_context(p, max_tokens, "prompt")
-        return self._job("completion", "cmpl", body, prompts, sampling, best_of,
-                         body.logprobs, body.echo, echo_only)  # fmt: skip
+        job = self._job("completion", "cmpl", body, prompts, sampling, best_of,
+                        body.logprobs, body.echo, echo_only)  # fmt: skip
+        job.prompt_logprobs = body.prompt_logprobs
+        return job
 
     def chat(self, data: dict[str, Any], request_id: str | None = None) -> Job:
         """A POST /v1/chat/completions body as a job (`request_id`: its id, else a new one)."""
@@ -126,15 +136,25 @@ class RequestBuilder:
         # OpenAI's default for chat is "until the context is full".
         default = max(self._config.max_model_len - len(ids), 1)
         max_tokens = _or(body.max_completion_tokens, _or(body.max_tokens, default))
+        max_tokens = self._config.defaults.cap(max_tokens)
         # An error about the output limit names the field the client actually sent.
         limit = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         if body.top_logprobs is not None and not body.logprobs:
             raise InvalidRequest("top_logprobs: needs logprobs set to true", "top_logprobs")
+        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+            # Checked here so the 400 names the chat field (sampling calls it `logprobs`).
+            raise InvalidRequest(
+                f"top_logprobs: must be an integer in [0, {MAX_LOGPROBS}], got {body.top_logprobs}",
+                "top_logprobs",
+            )
         top = (body.top_logprobs or 0) if body.logprobs else None
-        sampling = self._sampling(body, max_tokens, top, grammar, None, limit)
+        _check_prompt_logprobs(body.prompt_logprobs, body.stream)
+        sampling = self._sampling(body, max_tokens, top, grammar, body.prompt_logprobs, limit)
         self._check_context(prompt, max_tokens, "messages", limit)
         job = self._job("chat", "chatcmpl", body, [prompt], sampling, body.n, top, False, False)
         job.request_id = request_id or job.request_id
+        job.role = answer_role(body, dicts)
+        job.prompt_logprobs = body.prompt_logprobs
         job.chat_echo = _chat_echo(body, dicts)
         if tools is not None and tools.parsed:
             job.tool_format = self._config.tool_format
@@ -203,13 +223,15 @@ class RequestBuilder:
     ) -> SamplingParams:
         if body.seed is not None and not 0 <= body.seed < _SEED_LIMIT:
             raise InvalidRequest(f"seed: must be in [0, 2**63), got {body.seed}", "seed")
+        # What the client did not send comes from the model's generation_config (as vLLM).
+        sent, model = body.model_fields_set, self._config.defaults
         try:
             params = SamplingParams(
                 max_tokens=max_tokens,
-                temperature=body.temperature,
-                top_k=body.top_k,
-                top_p=body.top_p,
-                min_p=body.min_p,
+                temperature=model.value("temperature", sent, body.temperature),
+                top_k=model.value("top_k", sent, body.top_k),
+                top_p=model.value("top_p", sent, body.top_p),
+                min_p=model.value("min_p", sent, body.min_p),
                 # Drawn here when absent, so the prefill, decode and any migration target all
                 # sample with one seed: a replay then continues the same random stream.
                 seed=body.seed if body.seed is not None else secrets.randbits(63),
@@ -219,17 +241,17 @@ class RequestBuilder:
                 min_tokens=body.min_tokens,
                 presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty,
-                repetition_penalty=body.repetition_penalty,
+                repetition_penalty=model.value("repetition_penalty", sent, body.repetition_penalty),
                 logit_bias=self._logit_bias(body.logit_bias),
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 grammar=grammar,
             )
         except SamplingParamsError as exc:
-            field, _, rest = str(exc).partition(":")
-            if field == "max_tokens":
+            param, _, rest = str(exc).partition(":")
+            if param == "max_tokens":
                 raise InvalidRequest(f"{limit_param}:{rest}", limit_param) from exc
-            raise InvalidRequest(str(exc), field) from exc
+            raise InvalidRequest(str(exc), param) from exc
         return params
 
     def _token_ids(self, ids: Collection[int], param: str) -> list[int]:
@@ -243,14 +265,15 @@ class RequestBuilder:
         if not bias:
             return ()
         pairs = []
+        bad = []
         for key, value in bias.items():
             try:
-                token_id = int(key)
+                pairs.append((int(key), value))
             except ValueError:
-                raise InvalidRequest(
-                    f"logit_bias: keys must be token ids, got {key!r}", "logit_bias"
-                ) from None
-            pairs.append((token_id, value))
+                bad.append(key)
+        if bad:
+            # Every bad key at once (as vLLM), so a client fixes them in one round.
+            raise InvalidRequest(f"logit_bias: keys must be token ids, got {bad!r}", "logit_bias")
         self._token_ids([t for t, _ in pairs], "logit_bias")
         return tuple(sorted(pairs))
 
@@ -270,20 +293,18 @@ class RequestBuilder:
                 )
             source = json.dumps(fmt.json_schema.json_schema)
             specs.append(("response_format", GrammarSpec(GrammarKind.JSON_SCHEMA, source)))
-        if body.guided_json is not None:
-            source = (
-                body.guided_json
-                if isinstance(body.guided_json, str)
-                else json.dumps(body.guided_json)
+        specs += _guided_specs(
+            "guided_", body.guided_json, body.guided_regex, body.guided_choice, body.guided_grammar
+        )
+        structured = body.structured_outputs
+        if structured is not None:
+            # Named as one field: the client sent one object, whichever key it set.
+            found = _guided_specs(
+                "", structured.json_schema, structured.regex, structured.choice, structured.grammar
             )
-            specs.append(("guided_json", GrammarSpec(GrammarKind.JSON_SCHEMA, source)))
-        if body.guided_regex is not None:
-            specs.append(("guided_regex", GrammarSpec(GrammarKind.REGEX, body.guided_regex)))
-        if body.guided_choice is not None:
-            source = json.dumps(body.guided_choice)
-            specs.append(("guided_choice", GrammarSpec(GrammarKind.CHOICE, source)))
-        if body.guided_grammar is not None:
-            specs.append(("guided_grammar", GrammarSpec(GrammarKind.GRAMMAR, body.guided_grammar)))
+            if structured.json_object:
+                found.append(("", GrammarSpec(GrammarKind.JSON_SCHEMA, '{"type":"object"}')))
+            specs += [("structured_outputs", spec) for _, spec in found]
         if not specs:
             return None
         if len(specs) > 1:
@@ -342,16 +363,59 @@ class RequestBuilder:
         )
 
 
+def _check_prompt_logprobs(prompt_logprobs: int | None, stream: bool) -> None:
+    """`prompt_logprobs` come in the whole answer only: with `stream` a 400 (vLLM refuses
+    N > 0 and silently answers none for 0; pdserve refuses both rather than drop them)."""
+    if prompt_logprobs is not None and stream:
+        raise InvalidRequest(
+            "prompt_logprobs: not available with stream (send the request unstreamed)",
+            "prompt_logprobs",
+        )
+
+
+def _guided_specs(
+    prefix: str,
+    json_schema: dict[str, Any] | str | None,
+    regex: str | None,
+    choice: list[str] | None,
+    grammar: str | None,
+) -> list[tuple[str, GrammarSpec]]:
+    """The grammars vLLM's guided fields (`guided_json`, ...; or `structured_outputs`' keys)
+    ask for, each with its field name (`prefix` + key)."""
+    specs: list[tuple[str, GrammarSpec]] = []
+    if json_schema is not None:
+        source = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+        specs.append((prefix + "json", GrammarSpec(GrammarKind.JSON_SCHEMA, source)))
+    if regex is not None:
+        specs.append((prefix + "regex", GrammarSpec(GrammarKind.REGEX, regex)))
+    if choice is not None:
+        specs.append((prefix + "choice", GrammarSpec(GrammarKind.CHOICE, json.dumps(choice))))
+    if grammar is not None:
+        specs.append((prefix + "grammar", GrammarSpec(GrammarKind.GRAMMAR, grammar)))
+    return specs
+
+
+def answer_role(body: ChatCompletionRequest, messages: Sequence[dict[str, Any]]) -> str:
+    """The role of each choice's message, as vLLM names it: "assistant" when the prompt opens
+    an assistant turn (add_generation_prompt), else the final message's role (the model
+    continues that message's turn)."""
+    if body.add_generation_prompt or not messages:
+        return "assistant"
+    return str(messages[-1]["role"])
+
+
 def _chat_echo(body: ChatCompletionRequest, messages: Sequence[dict[str, Any]]) -> str:
     """With `echo`, the text each chat choice starts with, as vLLM echoes it: the final
-    message's, if its role is the answer's ("assistant" with add_generation_prompt, else the
-    final message's own role, so always)."""
+    message's, if its role is the answer's (so always with add_generation_prompt false)."""
     if not body.echo or not messages:
         return ""
     last = messages[-1]
-    role = "assistant" if body.add_generation_prompt else last.get("role")
     content = last.get("content")
-    return content if last.get("role") == role and isinstance(content, str) else ""
+    return (
+        content
+        if last.get("role") == answer_role(body, messages) and isinstance(content, str)
+        else ""
+    )
 
 
 def message_dicts(chat: Sequence[ChatMessage]) -> list[dict[str, Any]]:

@@ -18,7 +18,12 @@ from pydantic import BaseModel
 
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.protocol.worker_api import LogprobModel
-from pdserve.router.api.logprobs_format import TokenTexts, chat_logprobs, completion_logprobs
+from pdserve.router.api.logprobs_format import (
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs,
+)
 from pdserve.router.api.openai_models import (
     ChatChoice,
     ChatChunkChoice,
@@ -73,6 +78,11 @@ class Job:
     echo_only: bool = False
     # Chat with `echo`: the text each choice's content starts with (the final message's).
     chat_echo: str = ""
+    # Chat: the answer's role: "assistant", or with add_generation_prompt false the final
+    # message's (the prompt did not open an assistant turn, so the model continues that one).
+    role: str = "assistant"
+    # vLLM's `prompt_logprobs`: alternatives per prompt position; None: not asked.
+    prompt_logprobs: int | None = None
     # Chat with tools (tool_choice not "none"): the output is read for calls in this format.
     tool_format: ToolFormat | None = None
 
@@ -154,7 +164,11 @@ def echo_logprobs(
     """Logprobs of the echoed prompt (first token: none), or None if not asked."""
     if job.top_logprobs is None:
         return None
-    entries: list[LogprobModel | None] = [None, *(choice.prompt_logprobs or [])]
+    # The worker may have computed more alternatives (for prompt_logprobs): trim to logprobs.
+    entries: list[LogprobModel | None] = [
+        None,
+        *(_trim(e, job.top_logprobs) for e in choice.prompt_logprobs or []),
+    ]
     ids = choice.prompt.token_ids
     entries = (entries + [None] * len(ids))[: len(ids)]
     return completion_logprobs(texts, ids, entries, prompt_offsets)
@@ -259,6 +273,7 @@ def whole(job: Job, choices: Sequence[ChoiceResult], texts: TokenTexts) -> BaseM
             ChatChoice(
                 index=c.index,
                 message=ChatMessageOut(
+                    role=job.role,
                     content=job.chat_echo + c.text
                     if job.chat_echo or c.text or not c.tool_calls
                     else None,
@@ -270,9 +285,16 @@ def whole(job: Job, choices: Sequence[ChoiceResult], texts: TokenTexts) -> BaseM
             )
             for c in choices
         ]
+        prompt_lps = None
+        if job.prompt_logprobs is not None and choices:
+            # One prompt, so every choice's prompt logprobs are the same: the first's.
+            first = choices[0]
+            prompt_lps = prompt_logprobs(texts, first.prompt.token_ids,
+                                         first.prompt_logprobs or [], job.prompt_logprobs)  # fmt: skip
         return ChatCompletionResponse(
             id=job.request_id, created=job.created, model=job.body.model,
-            choices=chat_choices, usage=counts,
+            choices=chat_choices, usage=counts, prompt_logprobs=prompt_lps,
+            prompt_token_ids=list(job.prompt_token_ids) if job.body.return_token_ids else None,
         )  # fmt: skip
     out = []
     for c in choices:
@@ -292,6 +314,12 @@ def whole(job: Job, choices: Sequence[ChoiceResult], texts: TokenTexts) -> BaseM
                 finish_reason=c.output.finish_reason,
                 token_ids=list(c.output.token_ids) if job.body.return_token_ids else None,
                 logprobs=lp if isinstance(lp, CompletionLogprobs) else None,
+                prompt_token_ids=list(c.prompt.token_ids) if job.body.return_token_ids else None,
+                prompt_logprobs=None
+                if job.prompt_logprobs is None
+                else prompt_logprobs(
+                    texts, c.prompt.token_ids, c.prompt_logprobs or [], job.prompt_logprobs
+                ),
             )
         )
     return CompletionResponse(

@@ -1,16 +1,20 @@
-"""vLLM's utility endpoints on the router: POST /tokenize, POST /detokenize, GET /version.
+"""vLLM's utility endpoints on the router: POST /tokenize, POST /detokenize, GET /version,
+and GET /tokenizer_info when the router is started with --enable-tokenizer-info-endpoint.
 
 Same bodies as vLLM's server: /tokenize takes a `prompt` (with `add_special_tokens`, default
 true) or chat `messages` (with `add_generation_prompt`, default true; encoded through the same
 chat template as /v1/chat/completions) and answers `{count, max_model_len, tokens,
 token_strs}`; /detokenize takes `tokens` and answers `{prompt}`; /version answers the package
-version. Bodies are strict like the OpenAI routes (an unknown field is a 400 naming it). No
+version; /tokenizer_info answers the tokenizer's configuration as transformers holds it (the
+keys of tokenizer_config.json, `added_tokens_decoder`, `tokenizer_class`) with the chat template
+the router applies (a --chat-template override included). Bodies are strict like the OpenAI routes (an unknown field is a 400 naming it). No
 worker is involved.
 """
 
 from __future__ import annotations
 
 from importlib import metadata
+from typing import Any
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
@@ -79,11 +83,13 @@ class TokenizeApi:
         self._max_model_len = max_model_len
         self._model_names = model_names
 
-    def add_routes(self, app: web.Application) -> None:
-        """Register the routes on `app`."""
+    def add_routes(self, app: web.Application, tokenizer_info: bool = False) -> None:
+        """Register the routes on `app`; GET /tokenizer_info only with `tokenizer_info`."""
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/version", self.version)
+        if tokenizer_info:
+            app.router.add_get("/tokenizer_info", self.tokenizer_info)
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """POST /tokenize."""
@@ -136,6 +142,18 @@ class TokenizeApi:
     async def version(self, request: web.Request) -> web.Response:
         """GET /version."""
         return web.json_response(text=VersionResponse(version=package_version()).model_dump_json())
+
+    async def tokenizer_info(self, request: web.Request) -> web.Response:
+        """GET /tokenizer_info: what vLLM answers from transformers' `init_kwargs`."""
+        tok = self._tokenizer
+        info: dict[str, Any] = dict(tok.tokenizer_config)
+        # pdserve reads tokenizer.json, which transformers loads as its fast tokenizer.
+        info.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+        info["added_tokens_decoder"] = tok.added_tokens()
+        info.pop("chat_template", None)
+        if tok.chat_template is not None:
+            info["chat_template"] = tok.chat_template
+        return web.json_response(info)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in self._model_names:
