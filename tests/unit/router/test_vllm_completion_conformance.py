@@ -8,6 +8,7 @@ tests/integration/test_openai_client.py. Validation: test_vllm_validation_confor
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -169,7 +170,7 @@ def test_structured_outputs_and_logit_bias_reach_the_worker(
             w.samplings.clear()
         resp = await client.post("/v1/chat/completions", json=chat(**patch))
         assert resp.status == 200, await resp.text()
-        sent = {json.dumps(w.samplings[-1].grammar.model_dump()) if w.samplings[-1].grammar
+        sent = {json.dumps(dataclasses.asdict(w.samplings[-1].grammar), default=str) if w.samplings[-1].grammar
                 else None for w in served if w.samplings}  # fmt: skip
         assert len(sent) == 1, sent
         return sent.pop()
@@ -192,7 +193,7 @@ def test_structured_outputs_and_logit_bias_reach_the_worker(
             assert await grammar(client, {"response_format": {"type": "text"}}) is None
             await grammar(client, {"logit_bias": {str(vocab - 1): 1.0}})
             assert all(
-                w.samplings[-1].logit_bias == [(vocab - 1, 1.0)] for w in served if w.samplings
+                w.samplings[-1].logit_bias == ((vocab - 1, 1.0),) for w in served if w.samplings
             )
 
     run(body)

@@ -5,6 +5,7 @@ the field, never a 500."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -152,7 +153,7 @@ def test_tool_choice_null_fingerprint_and_text_offsets(tiny_model_path: Path, mo
                         "/v1/chat/completions", json=chat(seed=1, **patch, **extra)
                     )
                     assert resp.status == 200, await resp.text()
-                    sent.append([s.model_dump() for w in served for s in w.samplings])
+                    sent.append([dataclasses.asdict(s) for w in served for s in w.samplings])
                 assert sent[0] == sent[1]
             resp = await client.post(
                 "/v1/chat/completions",
