@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from pdserve.auth.keys import refuse_keys_on_argv
+from pdserve.auth.tls import TLSConfig
 from pdserve.cli.command import run
 from pdserve.config_file import add_config_flag
 from pdserve.errors import ConfigError
@@ -68,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_fields(u.add_mutually_exclusive_group(), UpConfig, only=("local_etcd", "discovery"))
     add_fields(u, RestartPolicy)
     add_fields(u, UpConfig, only=("liveness_timeout_s",))
+    # One set of TLS files for every router and worker (mutual between them with --tls-ca).
+    add_fields(u.add_argument_group("TLS (auth/tls.py)"), TLSConfig, prefix="tls-")
     return u
 
 
@@ -75,15 +78,17 @@ def config_from_args(args: argparse.Namespace) -> UpConfig:
     """The cluster to start, from the parsed flags."""
     # The router checks prompt lengths against the same limit the workers enforce.
     max_len = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
-    router_args = forwarded(args.router_flags, args) + max_len + args.router_arg
+    tls = build(TLSConfig, args, prefix="tls-")
+    router_args = forwarded(args.router_flags, args) + max_len + tls.args() + args.router_arg
     num_prefill = args.prefill if args.prefill is not None else (0 if args.mode == "auto" else 1)
     return build(
         UpConfig,
         args,
         num_prefill=num_prefill,
         router_args=tuple(router_args),
-        worker_args=tuple(forwarded(args.worker_flags, args)),
+        worker_args=tuple(forwarded(args.worker_flags, args) + tls.args()),
         restart=build(RestartPolicy, args),
+        tls=tls,
     )
 
 

@@ -38,6 +38,7 @@ from urllib.request import urlopen
 
 from pdserve.auth.keys import ADMIN_KEY_FILE, API_KEY_FILE, BearerKey, key_environment
 from pdserve.auth.secret import ENV_VAR, new_secret_text, write_secret_file
+from pdserve.auth.tls import TLSConfig, client_context
 from pdserve.config import BLOCK_SIZE, DTYPE, MODEL
 from pdserve.errors import ConfigError
 from pdserve.flag_types import non_negative_float, non_negative_int, positive_int
@@ -128,6 +129,9 @@ class UpConfig:
         None, type=str, metavar="etcd://HOST:PORT[/PREFIX]", help="an existing etcd"
     )
     restart: RestartPolicy = field(default_factory=RestartPolicy)
+    # The cluster's TLS files (`--tls-*`, passed on to every router and worker); the health
+    # probes present its client context.
+    tls: TLSConfig = field(default_factory=TLSConfig)
     # Seconds without a health answer before a child is killed and restarted (None: never).
     liveness_timeout_s: float | None = setting(
         30.0,
@@ -263,6 +267,7 @@ class Cluster:
             notify=notify or (lambda message: print(f"pdserve up: {message}", file=sys.stderr)),
             on_change=self._write_state,
             env={ENV_VAR: self.secret, **key_environment(config.api_key, config.admin_key)},
+            tls=client_context(config.tls),
         )
         self.discovery: str | None = config.discovery
         self.router_urls: list[str] = []
@@ -378,10 +383,14 @@ def run_up(config: UpConfig) -> int:
     cluster = Cluster(config)
     try:
         url = cluster.start()
-        with urlopen(f"{url}/health", timeout=5) as resp:
+        with urlopen(f"{url}/health", timeout=5, context=client_context(config.tls)) as resp:
             model = json.loads(resp.read()).get("model", "pdserve")
         # The key's variable, never its value: this line lands in terminals and logs.
         auth = ' -H "Authorization: Bearer $PDSERVE_API_KEY"' if config.api_key else ""
+        # Signed by the cluster CA, which curl does not trust, and mutual: curl presents one.
+        tls = config.tls
+        if tls.ca is not None:
+            auth += f" --cacert {tls.ca} --cert {tls.cert} --key {tls.key}"
         routers = ", ".join(cluster.router_urls)
         membership = f"etcd {cluster.discovery}" if cluster.discovery else "static"
         print(

@@ -33,6 +33,7 @@ import enum
 import json
 import os
 import signal
+import ssl
 import threading
 import time
 import urllib.request
@@ -127,10 +128,11 @@ class _Supervised:
 Pin = Callable[[ChildSpec, str, dict[str, object]], ChildSpec]
 
 
-def _probe(url: str) -> dict[str, object] | None:
-    """GET /health: the JSON answer, or None when it did not answer 200 in time."""
+def _probe(url: str, tls: ssl.SSLContext | None = None) -> dict[str, object] | None:
+    """GET /health (presenting `tls` to an https:// child): the JSON answer, or None when it
+    did not answer 200 in time."""
     try:
-        with urllib.request.urlopen(f"{url}/health", timeout=PROBE_TIMEOUT_S) as resp:
+        with urllib.request.urlopen(f"{url}/health", timeout=PROBE_TIMEOUT_S, context=tls) as resp:
             body = json.loads(resp.read())
             return body if resp.status == 200 and isinstance(body, dict) else None
     except (OSError, ValueError):
@@ -150,8 +152,11 @@ class Supervisor:
         on_change: Callable[[], None] | None = None,
         probe_interval_s: float = 1.0,
         env: Mapping[str, str] | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.workdir = workdir
+        # The cluster's client TLS context (`--tls-*`): probes of https:// children present it.
+        self._tls = tls
         # Extra environment of every child (the cluster secret: never on a command line).
         self._env = dict(env or {})
         self.policy = policy or RestartPolicy()
@@ -327,7 +332,7 @@ class Supervisor:
         if s.probe is None:
             url = self._url_of(s)
             if url is not None:
-                s.probe = self._pool.submit(_probe, url)
+                s.probe = self._pool.submit(_probe, url, self._tls)
             return False
         if not s.probe.done():
             return False
@@ -362,7 +367,7 @@ class Supervisor:
             return False
         if s.probe is None:
             if now - s.last_probe_at >= self._probe_interval_s and (url := self._url_of(s)):
-                s.probe = self._pool.submit(_probe, url)
+                s.probe = self._pool.submit(_probe, url, self._tls)
                 s.last_probe_at = now
             return False
         if not s.probe.done():

@@ -112,3 +112,20 @@ def test_children_get_the_flags_they_always_got(tmp_path: Path) -> None:
     # The key reaches the routers through their environment, never their command line.
     assert config.api_key is not None and config.api_key.text == "k-from-a-file"
     assert "k-from-a-file" not in " ".join(router.argv)
+
+
+def test_tls_files_go_to_every_router_and_worker(tmp_path: Path) -> None:
+    """One set of `--tls-*` files for the whole cluster: each child gets the same three flags
+    (paths, not secrets: the key file's bytes never reach a command line)."""
+    files = {name: tmp_path / f"{name}.pem" for name in ("cert", "key", "ca")}
+    for path in files.values():
+        path.write_text("PEM\n")
+    argv = [arg for name, path in files.items() for arg in (f"--tls-{name}", str(path))]
+    config = _config(argv)
+    assert config.tls.ca == files["ca"]
+    tls = ("--tls-cert", str(files["cert"]), "--tls-key", str(files["key"]),
+           "--tls-ca", str(files["ca"]))  # fmt: skip
+    for spec in (*worker_specs(config, None), *router_specs(config, ["https://w:1"], None)):
+        assert spec.argv[-6:] == tls, spec.argv
+    with pytest.raises(ConfigError, match="tls-cert, tls-key: give both"):
+        _config(["--tls-cert", str(files["cert"])])
