@@ -59,11 +59,10 @@ from pdserve.transfer.stream import (
     DEFAULT_RECEIVE_BYTES,
     Buffer,
     ByteStream,
-    DirectionState,
+    DirectedStream,
     byte_views,
     check_max_bytes,
     close_both,
-    writable_view,
 )
 
 _FRAME = struct.Struct("<BxxxII")  # kind, slot index, num_bytes
@@ -143,7 +142,7 @@ class _Unread:
         self.offset = 0
 
 
-class SlotStream(ByteStream):
+class SlotStream(DirectedStream):
     """A `ByteStream` over a control stream plus an inbox slot pool on each side."""
 
     def __init__(
@@ -170,7 +169,6 @@ class SlotStream(ByteStream):
         self._writer = writer
         self._peer_slot_bytes = peer_slot_bytes
         self._on_close = on_close
-        self._name = name
         self._on_peer_writing = on_peer_writing
         self._free_slots: deque[int] = deque(range(peer_num_slots))
         self._pending: deque[_Unread] = deque()  # announced by DATA or INLINE, in order
@@ -178,10 +176,7 @@ class SlotStream(ByteStream):
         self._eof = False
         self._credit = asyncio.Event()
         self._data = asyncio.Event()
-        self._send_lock = asyncio.Lock()
-        self._receive_lock = asyncio.Lock()
-        self._send_state = DirectionState(f"{name} send")
-        self._receive_state = DirectionState(f"{name} receive")
+        super().__init__(name)
         self._closed = False
         # The arenas the peer mapped (a REF names one by its index in `exported`).
         self._ref_arenas = [a for a in exported if a is not None]
@@ -267,13 +262,6 @@ class SlotStream(ByteStream):
         await self._send_frame(_DATA, slot, num_bytes)
         self.num_slot_bytes += num_bytes
         return num_bytes
-
-    async def receive_into(self, view: memoryview) -> None:
-        """Copy exactly len(view) bytes from inbox slots into `view`, returning credits."""
-        target = writable_view(view)
-        async with self._receive_lock:
-            self._receive_state.check()
-            await self._receive_state.fill(target, self._read_into, self._name)
 
     async def _read_into(self, piece: memoryview) -> int:
         """Bytes of the current slot copied into `piece` (0: end of stream), its credit

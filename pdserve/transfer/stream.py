@@ -160,6 +160,31 @@ class DirectionState:
             raise
 
 
+class DirectedStream(ByteStream):
+    """What the TCP, TLS and slot streams share: a lock and a `DirectionState` per direction,
+    and `receive_into` as repeated reads into the rest of the caller's view (`_read_into`)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._send_lock = asyncio.Lock()
+        self._receive_lock = asyncio.Lock()
+        self._send_state = DirectionState(f"{name} send")
+        self._receive_state = DirectionState(f"{name} receive")
+
+    async def receive_into(self, view: memoryview) -> None:
+        """Fill all of `view`; `PeerClosed` if the stream ends first (see `DirectionState.fill`
+        for a cancelled call)."""
+        target = writable_view(view)
+        async with self._receive_lock:
+            self._receive_state.check()
+            await self._receive_state.fill(target, self._read_into, self._name)
+
+    @abc.abstractmethod
+    async def _read_into(self, view: memoryview) -> int:
+        """Put what has arrived (at least one byte, waiting for it) into `view`; 0 at end of
+        stream."""
+
+
 def close_both(send: DirectionState, receive: DirectionState) -> None:
     """Break both directions of a stream closed locally: every later call raises
     `StreamBroken` saying so."""

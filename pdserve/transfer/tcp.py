@@ -29,12 +29,11 @@ from pdserve.transfer.stream import (
     Address,
     Buffer,
     ByteStream,
-    DirectionState,
+    DirectedStream,
     StreamHandler,
     byte_views,
     check_max_bytes,
     close_both,
-    writable_view,
 )
 
 logger = logging.getLogger(__name__)
@@ -64,7 +63,7 @@ def configure_socket(sock: socket.socket, config: TcpConfig) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, config.receive_buffer_bytes)
 
 
-class TcpStream(ByteStream):
+class TcpStream(DirectedStream):
     """A connected non-blocking TCP socket as a `ByteStream`."""
 
     def __init__(self, sock: socket.socket) -> None:
@@ -75,10 +74,7 @@ class TcpStream(ByteStream):
             self._peer = f"{host}:{port}"
         except OSError:
             self._peer = "unconnected"
-        self._send_lock = asyncio.Lock()
-        self._receive_lock = asyncio.Lock()
-        self._send_state = DirectionState(f"tcp {self._peer} send")
-        self._receive_state = DirectionState(f"tcp {self._peer} receive")
+        super().__init__(f"tcp {self._peer}")
         self._waiters: set[asyncio.Future[None]] = set()
         self._closed = False
 
@@ -109,13 +105,6 @@ class TcpStream(ByteStream):
                 if num_sent:
                     self._send_state.break_(f"send cancelled after {num_sent} bytes")
                 raise
-
-    async def receive_into(self, view: memoryview) -> None:
-        """recv_into the caller's view until full; `PeerClosed` at EOF before that."""
-        target = writable_view(view)
-        async with self._receive_lock:
-            self._receive_state.check()
-            await self._receive_state.fill(target, self._recv_into, f"tcp {self._peer}")
 
     async def receive_some(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
         """One recv of up to `max_bytes`; b"" at EOF. Cancelling it consumes nothing."""
@@ -161,7 +150,8 @@ class TcpStream(ByteStream):
             self._sock.shutdown(socket.SHUT_WR)
         self._sock.close()
 
-    async def _recv_into(self, view: memoryview) -> int:
+    async def _read_into(self, view: memoryview) -> int:
+        # recv_into the caller's view: only the kernel copies.
         while True:
             try:
                 return self._sock.recv_into(view)

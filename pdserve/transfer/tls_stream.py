@@ -26,12 +26,10 @@ from pdserve.transfer.stream import (
     DEFAULT_RECEIVE_BYTES,
     Address,
     Buffer,
-    ByteStream,
-    DirectionState,
+    DirectedStream,
     StreamHandler,
     byte_views,
     check_max_bytes,
-    writable_view,
 )
 
 logger = logging.getLogger(__name__)
@@ -43,7 +41,7 @@ _PIECE_BYTES = 1 << 20
 _READ_LIMIT = 1 << 20
 
 
-class TlsStream(ByteStream):
+class TlsStream(DirectedStream):
     """One end of a TLS connection as a `ByteStream`."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -51,10 +49,7 @@ class TlsStream(ByteStream):
         self._writer = writer
         peer = writer.get_extra_info("peername") or ("?", 0)
         self._peer = f"{peer[0]}:{peer[1]}"
-        self._send_lock = asyncio.Lock()
-        self._receive_lock = asyncio.Lock()
-        self._send_state = DirectionState(f"tls {self._peer} send")
-        self._receive_state = DirectionState(f"tls {self._peer} receive")
+        super().__init__(f"tls {self._peer}")
         self._closed = False
 
     async def send(self, buffers: Sequence[Buffer]) -> None:
@@ -76,13 +71,6 @@ class TlsStream(ByteStream):
             except (ConnectionError, ssl.SSLError, RuntimeError) as exc:
                 self._send_state.check()  # closed here: StreamBroken, not the peer's doing
                 raise PeerClosed(f"tls {self._peer}: send failed: {exc}") from exc
-
-    async def receive_into(self, view: memoryview) -> None:
-        """Fill all of `view`; `PeerClosed` at end of stream before that."""
-        target = writable_view(view)
-        async with self._receive_lock:
-            self._receive_state.check()
-            await self._receive_state.fill(target, self._read_into, f"tls {self._peer}")
 
     async def receive_some(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
         """Between 1 and `max_bytes` bytes as soon as any arrive; b"" at end of stream."""
