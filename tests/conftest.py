@@ -1,5 +1,10 @@
 """Shared fixtures: the tiny default model, built once per test session into a temp cache;
-and the test cluster's secret, in the environment of every process a test starts."""
+and the test cluster's secret, in the environment of every process a test starts.
+
+Routers started by tests probe no KV pairs (`PDSERVE_KV_PROBE_MIB=0`): the probes' throwaway
+KV would consume the fault plans that count KV sends, and on a machine running two test
+processes at once their rate verdicts say more about the CPU than about the link. The
+attestation tests ask for probes on their command line (which wins over the environment)."""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from cluster_auth import TEST_SECRET
 from pdserve.auth.secret import ENV_VAR
 
 os.environ[ENV_VAR] = TEST_SECRET
+os.environ.setdefault("PDSERVE_KV_PROBE_MIB", "0")
 
 
 @pytest.fixture(scope="session")

@@ -74,7 +74,8 @@ def test_pairs_are_attested_and_a_slow_one_steered_around(
         for h in handles:
             wait_ready(h)
         urls = [h.url for h in handles]
-        with router_process(tmp_path, kv_heavy_model_path, urls) as router_url:
+        probes = ("--kv-probe-mib", "32")  # the test environment turns them off (conftest)
+        with router_process(tmp_path, kv_heavy_model_path, urls, extra_args=probes) as router_url:
             pairs = {p["prefill"]: p for p in wait_pairs(router_url, 2)}
             assert pairs[fast.url]["verdict"] == "ok", pairs
             assert pairs[fast.url]["transport"] == pairs[slow.url]["transport"] == "tcp"
