@@ -13,6 +13,7 @@ The official `openai` client sees the same streamed chat across a checkpointed r
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import signal
@@ -122,6 +123,30 @@ def after_a_checkpoint(victim: WorkerHandle, signum: int, puts: int = 1) -> None
     os.kill(victim.pid, signum)
 
 
+@contextlib.contextmanager
+def killing_after_puts(
+    url: str, decodes: list[WorkerHandle], signum: int, puts: int
+) -> Iterator[list[WorkerHandle]]:
+    """Beside the body: once a decode worker has the stream, send it `signum` right after its
+    `puts`-th checkpoint put from then; yields the list the victim is added to."""
+    faulted: list[WorkerHandle] = []
+
+    def watch() -> None:
+        deadline = time.monotonic() + 30
+        while (victim := busy_decoder(url, decodes)) is None:
+            assert time.monotonic() < deadline, "no decode worker took the stream"
+            time.sleep(0.002)
+        after_a_checkpoint(victim, signum, puts=puts)
+        if signum == signal.SIGKILL:
+            victim.proc.wait(5)
+        faulted.append(victim)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        watcher = pool.submit(watch)
+        yield faulted
+        watcher.result()
+
+
 def wait_clean(handles: list[WorkerHandle], timeout_s: float) -> None:
     """Every live worker back to nothing pinned, running or held as a checkpoint."""
     deadline = time.monotonic() + timeout_s
@@ -169,17 +194,10 @@ def test_killed_decoder_resumes_from_its_checkpoint(
     decodes = [h for h in handles if h.role == "decode"]
     body = {**BODY, **sampling}
     reference, _ = stream_tokens(url, body)
-    killed: list[WorkerHandle] = []
-
-    def kill(num_chunks: int) -> None:
-        if num_chunks == kill_at and not killed:
-            victim = busy_decoder(url, decodes)
-            if victim is not None:
-                after_a_checkpoint(victim, signal.SIGKILL)
-                victim.proc.wait(5)
-                killed.append(victim)
-
-    pieces, finish = stream_tokens(url, body, kill)
+    # Counted on the worker, beside the client (as the tool-call case below): a loaded
+    # client reads far behind the decoder, which may have finished by its `kill_at`-th chunk.
+    with killing_after_puts(url, decodes, signal.SIGKILL, kill_at // BLOCK_SIZE) as killed:
+        pieces, finish = stream_tokens(url, body)
     assert killed, "no decode worker had the stream when the kill was due"
     assert finish == "length" and "".join(pieces) == "".join(reference)
     recomputed = resumed_from_checkpoint(handles, killed[0])
@@ -194,16 +212,8 @@ def test_paused_decoder_resumes_from_its_checkpoint(
     decodes = [h for h in handles if h.role == "decode"]
     body = {**BODY, "temperature": 0.9, "seed": 11}
     reference, _ = stream_tokens(url, body)
-    paused: list[WorkerHandle] = []
-
-    def pause(num_chunks: int) -> None:
-        if num_chunks == 100 and not paused:
-            victim = busy_decoder(url, decodes)
-            if victim is not None:
-                after_a_checkpoint(victim, signal.SIGSTOP)
-                paused.append(victim)
-
-    pieces, finish = stream_tokens(url, body, pause)
+    with killing_after_puts(url, decodes, signal.SIGSTOP, 100 // BLOCK_SIZE) as paused:
+        pieces, finish = stream_tokens(url, body)
     assert paused, "no decode worker had the stream when the pause was due"
     assert finish == "length" and "".join(pieces) == "".join(reference)
     recomputed = resumed_from_checkpoint(handles, paused[0])
@@ -224,16 +234,9 @@ def test_a_decoder_of_megabyte_blocks_resumes_from_its_checkpoint(
     body = {**BODY, "model": kv_heavy_model_path.name, "max_tokens": 200, "temperature": 0}
     reference, _ = stream_tokens(url, body)
     faulted: list[WorkerHandle] = []
-
-    def fault(num_chunks: int) -> None:
-        if num_chunks == 80 and not faulted:
-            victim = busy_decoder(url, decodes)
-            if victim is not None:
-                after_a_checkpoint(victim, signum)
-                faulted.append(victim)
-
     try:
-        pieces, finish = stream_tokens(url, body, fault)
+        with killing_after_puts(url, decodes, signum, 80 // BLOCK_SIZE) as faulted:
+            pieces, finish = stream_tokens(url, body)
         assert faulted, "no decode worker had the stream when the fault was due"
         assert finish == "length" and "".join(pieces) == "".join(reference)
         recomputed = resumed_from_checkpoint(handles, faulted[0])

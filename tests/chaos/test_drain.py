@@ -89,12 +89,16 @@ def test_a_rolling_restart_with_drain_fails_nothing_and_migrates_nothing(
             assert wrong == [] and len(load.outcomes) >= 12
             migrations = metric(url, "pdserve_router_migrations_total")
             steps_taken = metric(url, "pdserve_router_retries_total") - before
-            # Drained, nothing is cut: no stream migrates, and at most a request that raced a
-            # worker's draining flag is placed again (nothing recomputed).
-            assert not DRAINS or (migrations, steps_taken <= 2) == (0, True)
             with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
                 steps = [line for line in resp.read().decode().splitlines()
                          if line.startswith("pdserve_router_retries_total")]  # fmt: skip
+            # Drained, nothing is cut: no stream migrates, and the only steps are requests that
+            # raced a worker's draining flag and were placed again before any work (refused at
+            # the reservation or at /generate, so nothing recomputed). How many race depends on
+            # the machine's load, not on the drain.
+            placed_again = ('reason="reserve_refused"', 'reason="worker_refused"')
+            recomputing = [line for line in steps if not any(r in line for r in placed_again)]
+            assert not DRAINS or (migrations, recomputing) == (0, []), steps
             steady = [t for t in load.timings if t.start_s < restart_began]
             during = [t for t in load.timings if t.start_s >= restart_began]
             print(
