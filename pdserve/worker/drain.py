@@ -3,7 +3,9 @@
 `Worker.drain` (on SIGTERM, or `POST /admin/drain`) runs these steps:
 1. **Say so, then refuse new work.** /health says `draining` at once, so routers choose the
    worker for nothing new; once a router has read it (the first /health answered while
-   draining, or `SEEN_WAIT_S` without one; at once when it holds nothing), /reserve,
+   draining, then `SEEN_GRACE_S` for the calls it placed before reading it; or `SEEN_WAIT_S`
+   without one, idle or not: a router that chose the worker a moment earlier still sends
+   there, and a worker that refused or left at once would cost that request a retry), /reserve,
    /prefill and /generate answer 503 `Draining` (retryable: a router that raced the flag goes
    to another worker). Calls already admitted go on: a /decode for a reservation made before,
    a stream, a KV transfer, lease renewals.
@@ -27,6 +29,9 @@ from dataclasses import dataclass
 # How long the drain waits for a router to read the `draining` flag before leaving the
 # membership (a router polls every second; a worker nobody polls leaves after this).
 SEEN_WAIT_S = 2.0
+# After a router read the flag: calls it placed just before still arrive (a request's /prefill
+# follows its choice by a reservation round trip); they are taken and finished.
+SEEN_GRACE_S = 0.25
 POLL_S = 0.05
 
 

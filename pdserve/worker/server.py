@@ -14,7 +14,6 @@ It knows how the parts fit together; the parts themselves live in their own modu
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -37,7 +36,12 @@ from pdserve.transfer.sender import SendPolicy
 from pdserve.worker.checkpoint.prefix_source import PrefixCacheSource
 from pdserve.worker.checkpoint.routes import CheckpointService
 from pdserve.worker.config import WorkerConfig
-from pdserve.worker.drain import SEEN_WAIT_S, DrainReport, held_total, wait_until_idle
+from pdserve.worker.drain import (
+    SEEN_GRACE_S,
+    SEEN_WAIT_S,
+    DrainReport,
+    wait_until_idle,
+)
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.http.app import WorkerAPI
 from pdserve.worker.kv import transports as kv_transports
@@ -218,12 +222,14 @@ class Worker:
             return DrainReport(True, 0.0, {})
         api.draining = True
         log.info("worker %s draining (up to %.1f s)", api.worker_id, timeout_s)
-        # Routers learn it from /health before anything is refused (a refusal costs a router
-        # a retry), then the membership record goes. A worker holding nothing has nothing to
-        # protect: it refuses and leaves at once (a request racing it is placed elsewhere).
-        if held_total(await self._held()) > 0:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(api.drain_seen.wait(), SEEN_WAIT_S)
+        # Routers learn it from /health before anything is refused (a refusal or a closed port
+        # costs a router a retry), then the membership record goes. An idle worker waits too:
+        # a router may have chosen it a moment ago and be sending the call now.
+        try:
+            await asyncio.wait_for(api.drain_seen.wait(), SEEN_WAIT_S)
+            await asyncio.sleep(SEEN_GRACE_S)
+        except TimeoutError:
+            pass
         api.refusing = True
         if self.registration is not None:
             await self.registration.stop()

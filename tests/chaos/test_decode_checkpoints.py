@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import signal
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -37,6 +38,7 @@ HEALTH_DEADLINE_S = 1.0
 # A prompt of a few blocks, then a long generation: the kill comes mid-decode.
 PROMPT = "Once upon a time " * 12
 BODY = {"model": "tiny-v2", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
+PUTS = "pdserve_worker_checkpoint_put_blocks_total"
 
 
 def _cluster(
@@ -114,10 +116,9 @@ def after_a_checkpoint(victim: WorkerHandle, signum: int, puts: int = 1) -> None
     """Send `signum` to the decoder right after its `puts`-th next checkpoint put completed:
     the request is then at most one block ahead of its checkpoint (a kill during a put would
     lose that put's block too, a tokens-per-put race the test must not depend on)."""
-    name = "pdserve_worker_checkpoint_put_blocks_total"
-    before = metrics(victim.url).get(name, 0)
+    before = metrics(victim.url).get(PUTS, 0)
     deadline = time.monotonic() + 5 * puts
-    while metrics(victim.url).get(name, 0) < before + puts:
+    while metrics(victim.url).get(PUTS, 0) < before + puts:
         assert time.monotonic() < deadline, f"fewer than {puts} checkpoint puts in {5 * puts} s"
         time.sleep(0.002)
     os.kill(victim.pid, signum)
@@ -127,24 +128,34 @@ def after_a_checkpoint(victim: WorkerHandle, signum: int, puts: int = 1) -> None
 def killing_after_puts(
     url: str, decodes: list[WorkerHandle], signum: int, puts: int
 ) -> Iterator[list[WorkerHandle]]:
-    """Beside the body: once a decode worker has the stream, send it `signum` right after its
-    `puts`-th checkpoint put from then; yields the list the victim is added to."""
+    """Beside the body: send `signum` to the decode worker whose checkpoint puts grew by `puts`
+    since the body began (so however late this thread runs, it counts the body's stream from
+    its start); yields the list the victim is added to."""
     faulted: list[WorkerHandle] = []
+    before = {h.url: metrics(h.url).get(PUTS, 0) for h in decodes}
+    streaming = threading.Event()
 
     def watch() -> None:
-        deadline = time.monotonic() + 30
-        while (victim := busy_decoder(url, decodes)) is None:
-            assert time.monotonic() < deadline, "no decode worker took the stream"
+        deadline = time.monotonic() + 60
+        while streaming.is_set():
+            for h in decodes:
+                if metrics(h.url).get(PUTS, 0) >= before[h.url] + puts:
+                    os.kill(h.pid, signum)
+                    if signum == signal.SIGKILL:
+                        h.proc.wait(5)
+                    faulted.append(h)
+                    return
+            assert time.monotonic() < deadline, f"no decode worker made {puts} puts in 60 s"
             time.sleep(0.002)
-        after_a_checkpoint(victim, signum, puts=puts)
-        if signum == signal.SIGKILL:
-            victim.proc.wait(5)
-        faulted.append(victim)
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        streaming.set()
         watcher = pool.submit(watch)
-        yield faulted
-        watcher.result()
+        try:
+            yield faulted
+        finally:
+            streaming.clear()  # the body ended: a fault not sent by now is never sent
+            watcher.result()
 
 
 def wait_clean(handles: list[WorkerHandle], timeout_s: float) -> None:
