@@ -34,7 +34,10 @@ class TLSConfig:
     """This process's certificate, key and the cluster CA (PEM files); all None: plaintext."""
 
     cert: Path | None = setting(
-        None, type=Path, metavar="FILE", help="serve TLS with this certificate chain (PEM)"
+        None,
+        type=Path,
+        metavar="FILE",
+        help="the certificate chain this process serves and presents (PEM)",
     )
     key: Path | None = setting(
         None, type=Path, metavar="FILE", help="the certificate's private key (PEM)"
@@ -43,7 +46,7 @@ class TLSConfig:
         None,
         type=Path,
         metavar="FILE",
-        help="cluster CA (PEM): require and present CA-signed certificates (mutual TLS)",
+        help="cluster CA (PEM): trust only what it signed, and require it of clients (mutual TLS)",
     )
 
     def __post_init__(self) -> None:

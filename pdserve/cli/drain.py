@@ -18,8 +18,10 @@ from pathlib import Path
 from pdserve.auth.secret import load_secret
 from pdserve.auth.signing import auth_headers
 from pdserve.cli.command import run
+from pdserve.cli.dial import add_tls_flags, dial_with_tls
 from pdserve.errors import ConfigError
 from pdserve.flag_types import positive_float
+from pdserve.supervise.launcher import default_state_file
 
 PATH = "/admin/drain"
 
@@ -32,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--timeout-s", type=positive_float, default=60.0, help="longest --wait")
     d.add_argument("--cluster-secret-file", type=Path, default=None, metavar="PATH",
                    help="the cluster secret (else $PDSERVE_CLUSTER_SECRET)")  # fmt: skip
+    add_tls_flags(d)
     return d
 
 
@@ -45,6 +48,7 @@ def _answers(url: str) -> bool:
 
 def _drain(args: argparse.Namespace) -> int:
     url = args.url.rstrip("/")
+    dial_with_tls(args, default_state_file())
     secret = load_secret(args.cluster_secret_file)
     if secret is None:
         raise ConfigError(

@@ -22,6 +22,7 @@ from urllib.error import URLError
 from urllib.request import urlopen
 
 from pdserve.cli.command import run
+from pdserve.cli.dial import add_tls_flags, dial_with_tls
 from pdserve.errors import PdserveError
 from pdserve.protocol.worker_api import WorkerHealth
 from pdserve.supervise.launcher import default_state_file
@@ -378,10 +379,12 @@ def build_parser() -> argparse.ArgumentParser:
     st = argparse.ArgumentParser(prog="pdserve status", description=__doc__.splitlines()[0])
     st.add_argument("--url", default=None, help="router URL (default: the running `pdserve up`)")
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_tls_flags(st)
     return st
 
 
 def _status(args: argparse.Namespace) -> int:
+    dial_with_tls(args, default_state_file())
     url = find_router_url(args.url)
     status = replace(collect_status(url), processes=read_processes(url))
     print(render_json(status) if args.json else render_table(status))

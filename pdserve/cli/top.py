@@ -22,6 +22,7 @@ from urllib.request import Request, urlopen
 
 from pdserve.auth.keys import KeyKind, load_key
 from pdserve.cli.command import run
+from pdserve.cli.dial import add_tls_flags, dial_with_tls
 from pdserve.cli.status import (
     ClusterStatus,
     StatusError,
@@ -32,6 +33,7 @@ from pdserve.cli.status import (
 from pdserve.flag_types import positive_float
 from pdserve.observability import metric_names as m
 from pdserve.observability.exposition import Sample, parse, total
+from pdserve.supervise.launcher import default_state_file
 
 CLEAR = "\x1b[H\x1b[2J"
 
@@ -217,7 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--interval", type=positive_float, default=2.0, help="seconds between refreshes"
     )
     tp.add_argument("--once", action="store_true", help="print one frame, no escape codes")
+    add_tls_flags(tp)
     return tp
+
+
+def _top(args: argparse.Namespace) -> int:
+    dial_with_tls(args, default_state_file())
+    return run_top(find_router_url(args.url), args.interval, args.once)
 
 
 def main(argv: Sequence[str]) -> int:
@@ -225,6 +233,6 @@ def main(argv: Sequence[str]) -> int:
     return run(
         "top",
         build_parser(),
-        lambda args: run_top(find_router_url(args.url), args.interval, args.once),
+        _top,
         argv,
     )

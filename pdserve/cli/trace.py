@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pdserve.cli.command import run
+from pdserve.cli.dial import add_tls_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,15 +29,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="also draw the merged timeline into FILE (PNG; needs pdserve[plot])",
     )
+    add_tls_flags(tr)
     return tr
 
 
 def _trace(args: argparse.Namespace) -> int:
     import json
 
+    from pdserve.cli.dial import dial_with_tls
     from pdserve.cli.status import find_router_url
     from pdserve.observability.trace import fetch_timeline, render_waterfall
+    from pdserve.supervise.launcher import default_state_file
 
+    dial_with_tls(args, default_state_file())
     merged = args.merged or args.plot is not None
     view = fetch_timeline(find_router_url(args.url), args.request_id, workers=merged)
     print(json.dumps(view, indent=2) if args.json else render_waterfall(view))

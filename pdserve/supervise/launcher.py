@@ -310,6 +310,8 @@ class Cluster:
             "router_url": self.router_urls[0],
             "router_urls": self.router_urls,
             "pid": os.getpid(),
+            # The operator commands (`pdserve status`, `top`, `trace`) dial with these.
+            "tls": {k: str(v) for k, v in dataclasses.asdict(self.config.tls).items() if v},
             "children": [dataclasses.asdict(s) for s in self.supervisor.statuses()],
         }
         path = self.config.state_file

@@ -7,8 +7,11 @@ port gets nothing. Bad TLS flags are refused at start, naming the flag."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import ssl
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -125,3 +128,32 @@ def test_a_cluster_under_mutual_tls_serves_and_refuses_outsiders(
             assert kv_handshake_refused(kv_address, context_of(outsider, cluster))
             assert kv_handshake_refused(kv_address, context_of(None, cluster))
             assert not kv_handshake_refused(kv_address, member)
+
+            # The operator commands dial with the cluster's files (`--tls-*`, or those a
+            # `pdserve up` recorded); without any, they fail naming the router, no traceback.
+            env = {**os.environ, "PDSERVE_CACHE": str(tmp_path / "no-up")}
+            status = pdserve(env, "status", "--url", router, "--json", *tls)
+            assert status.returncode == 0, status.stderr
+            rows = json.loads(status.stdout)["workers"]
+            assert [r["up"] for r in rows] == [True, True], rows
+            trace = pdserve(env, "trace", answer["id"], "--url", router, "--json", *tls)
+            assert trace.returncode == 0 and json.loads(trace.stdout)["history"], trace.stderr
+            bare = pdserve(env, "status", "--url", router)
+            assert bare.returncode == 2 and "did not answer /health" in bare.stderr, bare
+            assert "Traceback" not in bare.stderr
+            # `pdserve up` records its files; the commands find them without flags.
+            up_state = tmp_path / "up"
+            up_state.mkdir()
+            files = {"cert": str(cluster.cert), "key": str(cluster.key), "ca": str(cluster.ca)}
+            (up_state / "up.json").write_text(json.dumps({"router_url": router, "tls": files}))
+            found = pdserve({**env, "PDSERVE_CACHE": str(up_state)}, "status", "--json")
+            assert found.returncode == 0, found.stderr
+            drain = pdserve(env, "drain", decode.url, "--wait", "--timeout-s", "30", *tls)
+            assert drain.returncode == 0 and "drained and exited" in drain.stdout, drain
+            assert decode.proc.wait(10) == 0
+
+
+def pdserve(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """One `pdserve` command in its own process, as an operator runs it."""
+    argv = [sys.executable, "-m", "pdserve", *args]
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, check=False)
