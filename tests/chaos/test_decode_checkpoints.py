@@ -414,30 +414,20 @@ def test_the_official_openai_client_sees_the_same_chat_across_a_checkpointed_res
         "extra_body": {"ignore_eos": True},
     }
 
-    def chat(on_chunk: object = None) -> tuple[str, str | None, int]:
+    def chat() -> tuple[str, str | None, int]:
         text, finish, tokens = "", None, 0
-        for n, chunk in enumerate(api.chat.completions.create(**kwargs), 1):
+        for chunk in api.chat.completions.create(**kwargs):
             for c in chunk.choices:
                 text += c.delta.content or ""
                 finish = c.finish_reason or finish
             if chunk.usage is not None:
                 tokens = chunk.usage.completion_tokens
-            if callable(on_chunk):
-                on_chunk(n)
         return text, finish, tokens
 
     reference = chat()
-    killed: list[WorkerHandle] = []
-
-    def kill(num_chunks: int) -> None:
-        if num_chunks == 100 and not killed:
-            victim = busy_decoder(url, decodes)
-            if victim is not None:
-                after_a_checkpoint(victim, signal.SIGKILL)
-                victim.proc.wait(5)
-                killed.append(victim)
-
-    outcome = chat(kill)
+    # Watched on the workers beside the client: a loaded client reads far behind the decoder.
+    with killing_after_puts(url, decodes, signal.SIGKILL, 100 // BLOCK_SIZE) as killed:
+        outcome = chat()
     assert killed, "no decode worker had the stream when the kill was due"
     assert outcome == reference and reference[1:] == ("length", 300)
     recomputed = resumed_from_checkpoint(handles, killed[0])
