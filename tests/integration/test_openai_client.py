@@ -18,6 +18,7 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -424,3 +425,36 @@ def test_prompt_logprobs_in_completions_as_vllm(cluster: tuple[str, str]) -> Non
             got.append([lps, choice.logprobs.token_logprobs])  # type: ignore[union-attr]
         answers.append(json.dumps(got, sort_keys=True))
     assert len(set(answers)) == 1
+
+
+def test_chat_batch_as_vllm_answers(cluster: tuple[str, str]) -> None:
+    """vLLM tests/entrypoints/openai/chat_completion/test_batched_chat_completions.py
+    (test_batched_chat_completions, ..._with_json_schema) on real workers, colocated,
+    disaggregated and re-prefilled: /v1/chat/completions/batch answers one choice per
+    conversation, indexed 0 and 1, choice i exactly what /v1/chat/completions answers
+    conversation i alone; with a json_schema `response_format` every choice parses and
+    matches the schema. The same answers on every path."""
+    schema = {"type": "object", "properties": {"answer": {"type": "string",
+              "enum": ["yes", "no"]}}, "required": ["answer"]}  # fmt: skip
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    conversations = [[{"role": "user", "content": "Is the sky blue? Answer in JSON."}],
+                     [{"role": "user", "content": "Is fire cold? Answer in JSON."}]]  # fmt: skip
+    answers = []
+    for url in layouts(cluster):
+        got = []
+        for extra in ({}, {"response_format": fmt}):
+            body = {"model": MODEL, "messages": conversations, "max_tokens": 48,
+                    "temperature": 0, **extra}  # fmt: skip
+            data = post(f"{url}/v1/chat/completions/batch", body)
+            choices: list[dict[str, Any]] = data["choices"]  # type: ignore[assignment]
+            assert [c["index"] for c in choices] == [0, 1], data
+            texts = [c["message"]["content"] for c in choices]
+            alone = [
+                post(f"{url}/v1/chat/completions", {**body, "messages": c}) for c in conversations
+            ]
+            assert texts == [a["choices"][0]["message"]["content"] for a in alone]  # type: ignore[index]
+            if extra:
+                assert all(json.loads(t)["answer"] in ("yes", "no") for t in texts), texts
+            got.append(texts)
+        answers.append(got)
+    assert all(a == answers[0] for a in answers), answers
