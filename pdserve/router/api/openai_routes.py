@@ -73,6 +73,7 @@ class OpenAIApi:
                 model_names=config.accepted_model_names,
                 max_model_len=max_model_len,
                 allow_unknown_fields=config.allow_unknown_fields,
+                return_tokens_as_token_ids=config.return_tokens_as_token_ids,
                 tool_format=FORMATS[config.tool_call_parser],
                 defaults=read_sampling_defaults(config.model)
                 if config.generation_config == "auto"
