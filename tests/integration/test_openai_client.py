@@ -458,3 +458,39 @@ def test_chat_batch_as_vllm_answers(cluster: tuple[str, str]) -> None:
             got.append(texts)
         answers.append(got)
     assert all(a == answers[0] for a in answers), answers
+
+
+def test_return_tokens_as_token_ids_as_vllm(
+    cluster: tuple[str, str], tiny_model_path: Path
+) -> None:
+    """vLLM tests/entrypoints/openai/test_return_tokens_as_ids.py on real workers, colocated,
+    disaggregated and re-prefilled, over a prompt whose emoji spans several byte tokens (each
+    reads U+FFFD as text): completions with `echo` and `logprobs: 1` name every token
+    `token_id:N`, each position's first top_logprobs key is the token itself, and the ids
+    decode to the choice's text; a chat answer's ids decode to its content. The same on every
+    path."""
+    tokenizer = Tokenizer(tiny_model_path)
+
+    def ids(names: list[str]) -> list[int]:
+        assert all(n.startswith("token_id:") for n in names), names
+        return [int(n.removeprefix("token_id:")) for n in names]
+
+    answers = []
+    for url in layouts(cluster):
+        req = {"model": MODEL, "prompt": "Say 'Hello, world! 🎉'", "echo": True, "logprobs": 1,
+               "max_tokens": 10, "temperature": 0, "return_tokens_as_token_ids": True}  # fmt: skip
+        choice: Any = post(f"{url}/v1/completions", req)["choices"][0]  # type: ignore[index]
+        tokens, tops = choice["logprobs"]["tokens"], choice["logprobs"]["top_logprobs"]
+        assert tokens[1:] == [next(iter(top)) for top in tops[1:]]
+        assert choice["text"] == tokenizer.decode(ids(tokens), skip_special_tokens=True)
+        messages = [{"role": "system", "content": "You like to respond in only emojis, like 🎉"},
+                    {"role": "user", "content": "Please write some emojis: 🐱🐶🎉"}]  # fmt: skip
+        req = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0,
+               "logprobs": True, "return_tokens_as_token_ids": True}  # fmt: skip
+        answer: Any = post(f"{url}/v1/chat/completions", req)["choices"][0]  # type: ignore[index]
+        content = [e["token"] for e in answer["logprobs"]["content"]]
+        assert (
+            tokenizer.decode(ids(content), skip_special_tokens=True) == answer["message"]["content"]
+        )
+        answers.append((tokens, choice["text"], content))
+    assert all(a == answers[0] for a in answers)

@@ -2,8 +2,8 @@
 
 Completions: `{tokens, token_logprobs, top_logprobs, text_offset}`, one entry per token of the
 choice's text; with `echo` the prompt's tokens come first and the very first prompt token has
-`None` (nothing predicts it). `top_logprobs` maps token text to logprob for the requested number
-of alternatives plus the chosen token (as vLLM does). Chat: `{content: [{token, logprob, bytes,
+`None` (nothing predicts it). `top_logprobs` maps token text to logprob for the chosen token
+(first) and the requested number of alternatives (as vLLM does). Chat: `{content: [{token, logprob, bytes,
 top_logprobs: [{token, logprob, bytes}]}]}` with exactly `top_logprobs` alternatives.
 
 A token's text is its own decode (special tokens included), so a byte-level token holding part
@@ -71,11 +71,11 @@ def completion_logprobs(
         if entry is None:
             top.append(None)
             continue
-        alternatives = {
-            texts(t): _value(v)
-            for t, v in zip(entry.top_token_ids, entry.top_logprobs, strict=True)
-        }
-        alternatives.setdefault(token, _value(entry.logprob))
+        # The token itself first, then the alternatives, as vLLM orders them (its logprobs
+        # dict holds the sampled or prompt token before the top ones).
+        alternatives = {token: _value(entry.logprob)}
+        for t, v in zip(entry.top_token_ids, entry.top_logprobs, strict=True):
+            alternatives.setdefault(texts(t), _value(v))
         top.append(alternatives)
     return CompletionLogprobs(
         tokens=tokens,
