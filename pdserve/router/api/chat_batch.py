@@ -3,7 +3,7 @@
 The body is a chat completion request whose `messages` is a list of conversations (each a list
 of messages); every other field applies to each conversation. Conversation i is built by the
 chat path's own builder (template, sampling, structured output, context length: the same 400s,
-their message naming the conversation) and runs as its own flow `<id>-<i>`, colocated or
+a conversation's own naming it) and runs as its own flow `<id>-<i>`, colocated or
 disaggregated, with its own placement, handoff and recovery, exactly as a single chat request.
 The answer is one `chat.completion` whose choice i answers conversation i (its role and echo
 are that conversation's), with the usage summed over all of them. If one conversation fails,
@@ -88,6 +88,8 @@ def build(builder: RequestBuilder, data: dict[str, Any]) -> ChatBatch:
         try:
             parts.append(builder.chat({**data, "messages": conversation}, f"{batch_id}-{i}"))
         except InvalidRequest as exc:
+            if i == 0 and not _own(exc):
+                raise  # a field every conversation shares: the batch's own error
             raise InvalidRequest(f"conversation {i}: {exc.message}", exc.param, exc.code) from exc
     # The request as a whole: the first conversation's body and sampling, the batch's id.
     return ChatBatch(dataclasses.replace(parts[0], request_id=batch_id), parts)
@@ -129,6 +131,12 @@ class BatchRenderFactory:
 
     def __call__(self, job: Job, runs: list[ChoiceRun]) -> BatchRender:
         return BatchRender(self.batch, self.texts, runs)
+
+
+def _own(exc: InvalidRequest) -> bool:
+    """Whether a refusal is about a conversation itself (its messages, its length), not about
+    a field every conversation shares (any refusal after the first conversation is)."""
+    return exc.param == "messages" or exc.code == "context_length_exceeded"
 
 
 def _total(usages: Sequence[Usage]) -> Usage:

@@ -23,6 +23,9 @@ CONVERSATIONS = [
 # A conversation the chat path refuses (text content only).
 IMAGE = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y"}}]}]
 
+# A conversation longer than the tiny model's context (2048 tokens).
+TOO_LONG = [{"role": "user", "content": "x " * 2100}]
+
 
 def batch(**kw: Any) -> dict[str, Any]:
     """A greedy batch body of two conversations."""
@@ -156,7 +159,10 @@ def test_echo_only_echoes_the_answers_own_turn(tiny_model_path: Path, mode: str)
         # The chat path's own checks, on each conversation, naming it.
         ({"messages": [CONVERSATIONS[0], IMAGE]}, "messages", "conversation 1"),
         ({"max_tokens": 10**6}, "max_tokens", "conversation 0"),
-        ({"temprature": 0.5}, "temprature", "unknown field"),
+        ({"messages": [CONVERSATIONS[0], TOO_LONG]}, "messages", "conversation 1: messages"),
+        # A field every conversation shares: the batch's error, naming no conversation.
+        ({"temprature": 0.5}, "temprature", "temprature: unknown field"),
+        ({"temperature": -1}, "temperature", "temperature"),
         ({"model": "other"}, "model", "not served"),
     ],
 )
