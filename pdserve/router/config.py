@@ -340,6 +340,15 @@ class RouterConfig:
         group="serving (OpenAI API)",
         help="drop (and log) unknown request fields instead of answering 400",
     )
+    # Logprob tokens written `token_id:N` unless a request says otherwise, as vLLM's
+    # `--return-tokens-as-token-ids` (the request field `return_tokens_as_token_ids` wins).
+    return_tokens_as_token_ids: bool = setting(
+        False,
+        action="store_true",
+        group="serving (OpenAI API)",
+        help="write logprob tokens as token_id:N unless a request sets"
+        " return_tokens_as_token_ids false, as vLLM",
+    )
     # Serve GET /tokenizer_info (the tokenizer's configuration and chat template), off by
     # default as in vLLM (`--enable-tokenizer-info-endpoint`): it exposes the template.
     enable_tokenizer_info_endpoint: bool = setting(

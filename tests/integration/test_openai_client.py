@@ -18,6 +18,7 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -424,3 +425,72 @@ def test_prompt_logprobs_in_completions_as_vllm(cluster: tuple[str, str]) -> Non
             got.append([lps, choice.logprobs.token_logprobs])  # type: ignore[union-attr]
         answers.append(json.dumps(got, sort_keys=True))
     assert len(set(answers)) == 1
+
+
+def test_chat_batch_as_vllm_answers(cluster: tuple[str, str]) -> None:
+    """vLLM tests/entrypoints/openai/chat_completion/test_batched_chat_completions.py
+    (test_batched_chat_completions, ..._with_json_schema) on real workers, colocated,
+    disaggregated and re-prefilled: /v1/chat/completions/batch answers one choice per
+    conversation, indexed 0 and 1, choice i exactly what /v1/chat/completions answers
+    conversation i alone; with a json_schema `response_format` every choice parses and
+    matches the schema. The same answers on every path."""
+    schema = {"type": "object", "properties": {"answer": {"type": "string",
+              "enum": ["yes", "no"]}}, "required": ["answer"]}  # fmt: skip
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    conversations = [[{"role": "user", "content": "Is the sky blue? Answer in JSON."}],
+                     [{"role": "user", "content": "Is fire cold? Answer in JSON."}]]  # fmt: skip
+    answers = []
+    for url in layouts(cluster):
+        got = []
+        for extra in ({}, {"response_format": fmt}):
+            body = {"model": MODEL, "messages": conversations, "max_tokens": 48,
+                    "temperature": 0, **extra}  # fmt: skip
+            data = post(f"{url}/v1/chat/completions/batch", body)
+            choices: list[dict[str, Any]] = data["choices"]  # type: ignore[assignment]
+            assert [c["index"] for c in choices] == [0, 1], data
+            texts = [c["message"]["content"] for c in choices]
+            alone = [
+                post(f"{url}/v1/chat/completions", {**body, "messages": c}) for c in conversations
+            ]
+            assert texts == [a["choices"][0]["message"]["content"] for a in alone]  # type: ignore[index]
+            if extra:
+                assert all(json.loads(t)["answer"] in ("yes", "no") for t in texts), texts
+            got.append(texts)
+        answers.append(got)
+    assert all(a == answers[0] for a in answers), answers
+
+
+def test_return_tokens_as_token_ids_as_vllm(
+    cluster: tuple[str, str], tiny_model_path: Path
+) -> None:
+    """vLLM tests/entrypoints/openai/test_return_tokens_as_ids.py on real workers, colocated,
+    disaggregated and re-prefilled, over a prompt whose emoji spans several byte tokens (each
+    reads U+FFFD as text): completions with `echo` and `logprobs: 1` name every token
+    `token_id:N`, each position's first top_logprobs key is the token itself, and the ids
+    decode to the choice's text; a chat answer's ids decode to its content. The same on every
+    path."""
+    tokenizer = Tokenizer(tiny_model_path)
+
+    def ids(names: list[str]) -> list[int]:
+        assert all(n.startswith("token_id:") for n in names), names
+        return [int(n.removeprefix("token_id:")) for n in names]
+
+    answers = []
+    for url in layouts(cluster):
+        req = {"model": MODEL, "prompt": "Say 'Hello, world! 🎉'", "echo": True, "logprobs": 1,
+               "max_tokens": 10, "temperature": 0, "return_tokens_as_token_ids": True}  # fmt: skip
+        choice: Any = post(f"{url}/v1/completions", req)["choices"][0]  # type: ignore[index]
+        tokens, tops = choice["logprobs"]["tokens"], choice["logprobs"]["top_logprobs"]
+        assert tokens[1:] == [next(iter(top)) for top in tops[1:]]
+        assert choice["text"] == tokenizer.decode(ids(tokens), skip_special_tokens=True)
+        messages = [{"role": "system", "content": "You like to respond in only emojis, like 🎉"},
+                    {"role": "user", "content": "Please write some emojis: 🐱🐶🎉"}]  # fmt: skip
+        req = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0,
+               "logprobs": True, "return_tokens_as_token_ids": True}  # fmt: skip
+        answer: Any = post(f"{url}/v1/chat/completions", req)["choices"][0]  # type: ignore[index]
+        content = [e["token"] for e in answer["logprobs"]["content"]]
+        assert (
+            tokenizer.decode(ids(content), skip_special_tokens=True) == answer["message"]["content"]
+        )
+        answers.append((tokens, choice["text"], content))
+    assert all(a == answers[0] for a in answers)

@@ -65,9 +65,6 @@ _COMMON: dict[str, _Rule] = {
     "cache_salt": _Rule(
         _none, "prefix-cache isolation is not implemented: every request shares the cache"
     ),
-    "return_tokens_as_token_ids": _Rule(
-        lambda v: v in (None, False), "logprob tokens are their text; return_token_ids gives ids"
-    ),
 }
 _COMPLETION_ONLY: dict[str, _Rule] = {
     "suffix": _Rule(_none_or_empty, "insertion (suffix) is not implemented"),

@@ -2,18 +2,20 @@
 
 Completions: `{tokens, token_logprobs, top_logprobs, text_offset}`, one entry per token of the
 choice's text; with `echo` the prompt's tokens come first and the very first prompt token has
-`None` (nothing predicts it). `top_logprobs` maps token text to logprob for the requested number
-of alternatives plus the chosen token (as vLLM does). Chat: `{content: [{token, logprob, bytes,
+`None` (nothing predicts it). `top_logprobs` maps token text to logprob for the chosen token
+(first) and the requested number of alternatives (as vLLM does). Chat: `{content: [{token, logprob, bytes,
 top_logprobs: [{token, logprob, bytes}]}]}` with exactly `top_logprobs` alternatives.
 
 A token's text is its own decode (special tokens included), so a byte-level token holding part
-of a UTF-8 character reads as U+FFFD, as in vLLM. Values are the worker's float32 logprobs
+of a UTF-8 character reads as U+FFFD, as in vLLM; with vLLM's `return_tokens_as_token_ids` a
+token is written `token_id:N` instead (`token_id_name`), and a chat token's `bytes` are those of
+that name, as vLLM writes them. Values are the worker's float32 logprobs
 unchanged, floored at -9999.0 (vLLM's floor) so JSON never carries -inf.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.protocol.worker_api import LogprobModel
@@ -26,6 +28,14 @@ from pdserve.router.api.openai_models import (
 )
 
 _FLOOR = -9999.0
+
+# How a logprob entry names a token: its text (`TokenTexts`) or its id (`token_id_name`).
+TokenName = Callable[[int], str]
+
+
+def token_id_name(token_id: int) -> str:
+    """A token as vLLM's `return_tokens_as_token_ids` names it."""
+    return f"token_id:{token_id}"
 
 
 class TokenTexts:
@@ -49,7 +59,7 @@ def _value(logprob: float) -> float:
 
 
 def completion_logprobs(
-    texts: TokenTexts,
+    texts: TokenName,
     token_ids: Sequence[int],
     entries: Sequence[LogprobModel | None],
     text_offsets: Sequence[int],
@@ -61,11 +71,11 @@ def completion_logprobs(
         if entry is None:
             top.append(None)
             continue
-        alternatives = {
-            texts(t): _value(v)
-            for t, v in zip(entry.top_token_ids, entry.top_logprobs, strict=True)
-        }
-        alternatives.setdefault(token, _value(entry.logprob))
+        # The token itself first, then the alternatives, as vLLM orders them (its logprobs
+        # dict holds the sampled or prompt token before the top ones).
+        alternatives = {token: _value(entry.logprob)}
+        for t, v in zip(entry.top_token_ids, entry.top_logprobs, strict=True):
+            alternatives.setdefault(texts(t), _value(v))
         top.append(alternatives)
     return CompletionLogprobs(
         tokens=tokens,
@@ -75,12 +85,12 @@ def completion_logprobs(
     )
 
 
-def _top(texts: TokenTexts, token_id: int, logprob: float) -> ChatTopLogprob:
+def _top(texts: TokenName, token_id: int, logprob: float) -> ChatTopLogprob:
     text = texts(token_id)
     return ChatTopLogprob(token=text, logprob=_value(logprob), bytes=list(text.encode()))
 
 
-def chat_logprobs(texts: TokenTexts, entries: Sequence[LogprobModel]) -> ChatLogprobs:
+def chat_logprobs(texts: TokenName, entries: Sequence[LogprobModel]) -> ChatLogprobs:
     """The chat `logprobs` object for output tokens with these entries."""
     content = []
     for e in entries:

@@ -80,6 +80,10 @@ class SamplingFields(_Request):
     ignore_eos: bool = False
     # Extension: each choice also carries the completion's token ids.
     return_token_ids: bool = False
+    # Extension (vLLM's): logprob tokens written `token_id:N` instead of their text (a token
+    # that is part of a UTF-8 character stays identifiable); None: the router's
+    # --return-tokens-as-token-ids decides (the builder fills it in).
+    return_tokens_as_token_ids: bool | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     # Extension: token ids that end the output (the token counts, adds no text).

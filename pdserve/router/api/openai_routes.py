@@ -1,4 +1,5 @@
-"""OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions, /v1/models.
+"""OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions, /v1/models, and vLLM's
+/v1/chat/completions/batch (`chat_batch`: one chat flow per conversation).
 
 A request goes: JSON → `RequestBuilder` (fields screened, pydantic model, model name, prompts
 as token ids, sampling ranges, structured output compiled, context length; each failure an
@@ -21,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 
 from aiohttp import web
 from pydantic import BaseModel
@@ -30,7 +31,7 @@ from pdserve.errors import NoCapacity, PdserveError, WorkerCallError
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.observability.phases import handoff_phases
 from pdserve.observability.spikes import SpikeDetector
-from pdserve.router.api import fanout, sse
+from pdserve.router.api import chat_batch, fanout, sse
 from pdserve.router.api.chat_render import ChatRender
 from pdserve.router.api.fanout import ChoiceRun, Piece
 from pdserve.router.api.json_body import read_object
@@ -72,6 +73,7 @@ class OpenAIApi:
                 model_names=config.accepted_model_names,
                 max_model_len=max_model_len,
                 allow_unknown_fields=config.allow_unknown_fields,
+                return_tokens_as_token_ids=config.return_tokens_as_token_ids,
                 tool_format=FORMATS[config.tool_call_parser],
                 defaults=read_sampling_defaults(config.model)
                 if config.generation_config == "auto"
@@ -88,6 +90,7 @@ class OpenAIApi:
         """Register the /v1 routes on `app`."""
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/chat/completions/batch", self.chat_completions_batch)
         app.router.add_get("/v1/models", self.models)
         store = (
             ResponseStore(self._config.responses_store_size) if self._config.enable_store else None
@@ -112,14 +115,28 @@ class OpenAIApi:
         job = self._builder.chat(await read_object(request))
         return await self.serve(request, job)
 
+    async def chat_completions_batch(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/chat/completions/batch (vLLM's): one chat flow per conversation."""
+        batch = chat_batch.build(self._builder, await read_object(request))
+        return await self.serve(request, batch.job, batch.render(self._texts), batch.parts)
+
     async def serve(
-        self, request: web.Request, job: Job, render_for: RenderFactory | None = None
+        self,
+        request: web.Request,
+        job: Job,
+        render_for: RenderFactory | None = None,
+        parts: Sequence[Job] = (),
     ) -> web.StreamResponse:
-        """Run `job`'s flows and write its answer with the render `render_for` makes (the
-        chat and completions one by default)."""
+        """Run `job`'s flows (or those of `parts`, the jobs that answer it together: a batch's
+        conversations) and write its answer with the render `render_for` makes (the chat and
+        completions one by default)."""
         session_id = request.headers.get("x-session-id") or job.body.user
         deadline = asyncio.get_running_loop().time() + self._config.request_timeout_s
-        runs = fanout.start(job, self._dispatcher, self._tokenizer, session_id, deadline)
+        runs = [
+            run
+            for part in parts or (job,)
+            for run in fanout.start(part, self._dispatcher, self._tokenizer, session_id, deadline)
+        ]
         render = (render_for or self._chat_render)(job, runs)
         mode = runs[0].timeline.mode
         status = "error"

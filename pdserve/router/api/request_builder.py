@@ -66,6 +66,8 @@ class BuilderConfig:
     tool_format: ToolFormat = HERMES
     # The model's sampling defaults (generation_config.json; none with --generation-config vllm).
     defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    # Logprob tokens as `token_id:N` when a request does not say (--return-tokens-as-token-ids).
+    return_tokens_as_token_ids: bool = False
 
 
 class RequestBuilder:
@@ -173,6 +175,8 @@ class RequestBuilder:
                 "model",
                 "model_not_found",
             )
+        if body.return_tokens_as_token_ids is None:
+            body.return_tokens_as_token_ids = self._config.return_tokens_as_token_ids
         if not 1 <= body.n <= MAX_CHOICES:
             raise InvalidRequest(f"n: must be in [1, {MAX_CHOICES}], got {body.n}", "n")
         if body.stream_options is not None and not body.stream:

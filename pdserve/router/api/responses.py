@@ -19,10 +19,12 @@ from pydantic import BaseModel
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.protocol.worker_api import LogprobModel
 from pdserve.router.api.logprobs_format import (
+    TokenName,
     TokenTexts,
     chat_logprobs,
     completion_logprobs,
     prompt_logprobs,
+    token_id_name,
 )
 from pdserve.router.api.openai_models import (
     ChatChoice,
@@ -164,6 +166,7 @@ def echo_logprobs(
     """Logprobs of the echoed prompt (first token: none), or None if not asked."""
     if job.top_logprobs is None:
         return None
+    names = token_names(job, texts)
     # The worker may have computed more alternatives (for prompt_logprobs): trim to logprobs.
     entries: list[LogprobModel | None] = [
         None,
@@ -171,7 +174,7 @@ def echo_logprobs(
     ]
     ids = choice.prompt.token_ids
     entries = (entries + [None] * len(ids))[: len(ids)]
-    return completion_logprobs(texts, ids, entries, prompt_offsets)
+    return completion_logprobs(names, ids, entries, prompt_offsets)
 
 
 def output_logprobs(
@@ -184,11 +187,17 @@ def output_logprobs(
     """Logprobs of these output tokens in the job's shape, or None if not asked."""
     if job.top_logprobs is None:
         return None
+    names = token_names(job, texts)
     if job.kind == "chat":
-        return chat_logprobs(texts, [_trim(e, job.top_logprobs) for e in entries])
+        return chat_logprobs(names, [_trim(e, job.top_logprobs) for e in entries])
     return completion_logprobs(
-        texts, token_ids, [_trim(e, job.top_logprobs) for e in entries], offsets
+        names, token_ids, [_trim(e, job.top_logprobs) for e in entries], offsets
     )
+
+
+def token_names(job: Job, texts: TokenTexts) -> TokenName:
+    """How the job's logprobs name tokens: by text, or `token_id:N` when it asked for ids."""
+    return token_id_name if job.body.return_tokens_as_token_ids else texts
 
 
 def _trim(entry: LogprobModel, num_top: int) -> LogprobModel:

@@ -67,6 +67,9 @@ class FakeWorker:
     finish_reason: str = "length"
     # Cut /decode and /generate streams (no finished event) after this many tokens.
     cut_after_tokens: int | None = None
+    # End /decode and /generate streams with an engine error event (finish_reason "error", as
+    # an engine reports a request it failed) after this many tokens, instead of finishing.
+    error_after_tokens: int | None = None
     # Refuse this many reservations (503) before accepting.
     refuse_reserve_times: int = 0
     # Reservations (and the decodes they become) held at once; more are refused (503).
@@ -257,6 +260,12 @@ class FakeWorker:
                 # A dead worker: the connection drops mid-stream, with no finished event.
                 assert request.transport is not None
                 request.transport.close()
+                return resp
+            if self.error_after_tokens is not None and i - start >= self.error_after_tokens:
+                event = TokenEvent(token_ids=[], finished=True, finish_reason="error",
+                                   error="engine step failed", error_type="EngineError")  # fmt: skip
+                await resp.write(event.model_dump_json().encode() + b"\n")
+                await resp.write_eof()
                 return resp
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)

@@ -47,9 +47,9 @@ INVALID_SCHEMA = {"type": "object", "properties": {"foo": "bar"}}
         # test_serving_chat.py::test_serving_chat_did_set_correct_cache_salt: vLLM salts the
         # prefix cache per request; pdserve does not (README), and says so.
         ({"cache_salt": "test_salt"}, "cache_salt"),
-        # test_return_token_ids.py sends return_tokens_as_token_ids; pdserve answers token
-        # ids through return_token_ids instead (README).
-        ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+        # return_tokens_as_token_ids takes a boolean (served since issue 33: test_vllm_
+        # completion_conformance.py).
+        ({"return_tokens_as_token_ids": "maybe"}, "return_tokens_as_token_ids"),
     ],
 )
 def test_invalid_requests_are_400s_naming_the_field(
@@ -63,7 +63,7 @@ def test_invalid_requests_are_400s_naming_the_field(
                 resp = await client.post(path, json={**req, **patch})
                 error = (await resp.json())["error"]
                 assert resp.status == 400 and error["param"] == param, (path, error)
-                if param in ("use_beam_search", "cache_salt", "return_tokens_as_token_ids"):
+                if param in ("use_beam_search", "cache_salt"):
                     assert error["code"] == "unsupported_parameter", error
                 if param == "logit_bias" and "bad1" in patch["logit_bias"]:
                     assert "bad1" in error["message"] and "bad2" in error["message"]
