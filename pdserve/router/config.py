@@ -16,7 +16,7 @@ from pdserve.auth.secret import (
 from pdserve.auth.tls import TLSConfig
 from pdserve.errors import ConfigError
 from pdserve.faults import parse_rules
-from pdserve.membership.uri import parse_discovery
+from pdserve.membership.uri import DISCOVERY, parse_discovery
 from pdserve.protocol.checkpoint_policy import CheckpointPolicy
 from pdserve.protocol.worker_api import MAX_LEASE_TTL_S, MAX_WAIT_S
 from pdserve.router.access import AccessKeys
@@ -275,8 +275,7 @@ class RouterConfig:
     # Where workers register ("etcd://HOST:PORT[/PREFIX]"); None: the static `workers` list.
     discovery: str | None = setting(
         None,
-        type=str,
-        metavar="etcd://HOST:PORT[/PREFIX]",
+        DISCOVERY,
         help="find workers registered in etcd instead of --worker URLs",
     )
     # Fault-injection rules at the router's sites (`pdserve.faults` syntax), tests only.

@@ -21,7 +21,7 @@ from pdserve.config import EngineConfig
 from pdserve.errors import ConfigError
 from pdserve.faults import parse_rules
 from pdserve.membership.codec import check_worker_id
-from pdserve.membership.uri import parse_discovery
+from pdserve.membership.uri import DISCOVERY, parse_discovery
 from pdserve.settings import repeated, setting
 
 ROLES = ("prefill", "decode", "both")
@@ -66,8 +66,7 @@ class WorkerConfig:
     # Where to register for routers to find ("etcd://HOST:PORT[/PREFIX]"); None: not at all.
     discovery: str | None = setting(
         None,
-        type=str,
-        metavar="etcd://HOST:PORT[/PREFIX]",
+        DISCOVERY,
         group="membership (several machines)",
         help="register in etcd under a lease, for routers started with the same --discovery",
     )
