@@ -13,10 +13,12 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pdserve.errors import ConfigError
 from pdserve.settings import Flag, setting
+
+T = TypeVar("T")
 
 
 def _range_text(low: float, high: float | None, low_open: bool) -> str:
@@ -24,16 +26,37 @@ def _range_text(low: float, high: float | None, low_open: bool) -> str:
     return first if high is None else f"{first} and <= {high:g}"
 
 
-def positive_floats(flag: str, text: str, high: float | None = None) -> tuple[float, ...]:
-    """Comma-separated numbers, each > 0 (and <= `high`)."""
-    want = f"comma-separated numbers {_range_text(0, high, True)}"
+def _parse(
+    flag: str, text: str, convert: Callable[[str], T], ok: Callable[[T], bool], want: str
+) -> T:
+    """`convert(text)` if it converts and passes `ok`; else ConfigError naming flag and text."""
     try:
-        values = tuple(float(part) for part in text.split(","))
+        value = convert(text)
     except ValueError:
         raise ConfigError(f"{flag}: expected {want}, got {text!r}") from None
-    if not all(math.isfinite(v) and v > 0 and (high is None or v <= high) for v in values):
+    if not ok(value):
         raise ConfigError(f"{flag}: expected {want}, got {text!r}")
-    return values
+    return value
+
+
+def _within(value: float, low: float, high: float | None, low_open: bool) -> bool:
+    above = value > low if low_open else value >= low
+    return above and (high is None or value <= high)
+
+
+def _positive(value: float, high: float | None) -> bool:
+    return math.isfinite(value) and _within(value, 0, high, True)
+
+
+def positive_floats(flag: str, text: str, high: float | None = None) -> tuple[float, ...]:
+    """Comma-separated numbers, each > 0 (and <= `high`)."""
+    return _parse(
+        flag,
+        text,
+        lambda t: tuple(float(part) for part in t.split(",")),
+        lambda values: all(_positive(v, high) for v in values),
+        f"comma-separated numbers {_range_text(0, high, True)}",
+    )
 
 
 def positive(flag: str, text: str | None, high: float | None = None) -> float | None:
@@ -41,13 +64,7 @@ def positive(flag: str, text: str | None, high: float | None = None) -> float | 
     if text is None:
         return None
     want = f"a number {_range_text(0, high, True)}"
-    try:
-        value = float(text)
-    except ValueError:
-        raise ConfigError(f"{flag}: expected {want}, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0 and (high is None or value <= high)):
-        raise ConfigError(f"{flag}: expected {want}, got {text!r}")
-    return value
+    return _parse(flag, text, float, lambda v: _positive(v, high), want)
 
 
 def integer(flag: str, text: str | None, low: int, high: int | None = None) -> int | None:
@@ -55,25 +72,18 @@ def integer(flag: str, text: str | None, low: int, high: int | None = None) -> i
     if text is None:
         return None
     want = f"an integer {_range_text(low, high, False)}"
-    try:
-        value = int(text)
-    except ValueError:
-        raise ConfigError(f"{flag}: expected {want}, got {text!r}") from None
-    if value < low or (high is not None and value > high):
-        raise ConfigError(f"{flag}: expected {want}, got {text!r}")
-    return value
+    return _parse(flag, text, int, lambda v: _within(v, low, high, False), want)
 
 
 def integers(flag: str, text: str, low: int) -> tuple[int, ...]:
     """Comma-separated integers, each >= `low`."""
-    want = f"expected comma-separated integers >= {low}, got {text!r}"
-    try:
-        values = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise ConfigError(f"{flag}: {want}") from None
-    if not values or min(values) < low:
-        raise ConfigError(f"{flag}: {want}")
-    return values
+    return _parse(
+        flag,
+        text,
+        lambda t: tuple(int(part) for part in t.split(",")),
+        lambda values: bool(values) and min(values) >= low,
+        f"comma-separated integers >= {low}",
+    )
 
 
 def one_integer(flag: str, text: str, low: int) -> int:

@@ -39,12 +39,8 @@ def save_serve_plots(report: ServeReport, slo: SLO, plot_dir: Path) -> list[Path
     good_ax.plot([0, top], [0, top], color="grey", linestyle=":", label="offered rate")
     good_ax.set(xlabel="offered rate (req/s)", ylabel="goodput (req/s meeting both SLOs)")
     attain_ax.set(xlabel="offered rate (req/s)", ylabel="SLO attainment", ylim=(-0.02, 1.02))
-    for ax in (good_ax, attain_ax):
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(f"SLOs: TTFT <= {slo.ttft_s * 1e3:g} ms, TPOT <= {slo.tpot_s * 1e3:g} ms")
-    fig.tight_layout()
-    written.append(_save(plt, fig, plot_dir / "goodput_vs_rate.png"))
+    title = f"SLOs: TTFT <= {slo.ttft_s * 1e3:g} ms, TPOT <= {slo.tpot_s * 1e3:g} ms"
+    written.append(_save(plt, fig, title, plot_dir / "goodput_vs_rate.png"))
 
     fig, (ttft_ax, tpot_ax) = plt.subplots(1, 2, figsize=(11, 4))
     for mode in modes:
@@ -57,12 +53,8 @@ def save_serve_plots(report: ServeReport, slo: SLO, plot_dir: Path) -> list[Path
     tpot_ax.axvline(slo.tpot_s * 1e3, color="grey", linestyle="--", label="SLO")
     ttft_ax.set(xlabel="TTFT (ms)", ylabel="fraction of requests", ylim=(0, 1.02))
     tpot_ax.set(xlabel="TPOT (ms)", ylabel="fraction of requests", ylim=(0, 1.02))
-    for ax in (ttft_ax, tpot_ax):
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(f"latency CDFs at {top:g} req/s (completed requests)")
-    fig.tight_layout()
-    written.append(_save(plt, fig, plot_dir / "latency_cdf.png"))
+    title = f"latency CDFs at {top:g} req/s (completed requests)"
+    written.append(_save(plt, fig, title, plot_dir / "latency_cdf.png"))
 
     for mode, view in report.timelines.items():
         if view:
@@ -72,7 +64,13 @@ def save_serve_plots(report: ServeReport, slo: SLO, plot_dir: Path) -> list[Path
     return written
 
 
-def _save(plt: Any, fig: Any, path: Path) -> Path:
+def _save(plt: Any, fig: Any, title: str, path: Path) -> Path:
+    """Grid and legend on every axis, the title, then the PNG at `path`."""
+    for ax in fig.axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)  # pyplot keeps every open figure alive otherwise
     return path

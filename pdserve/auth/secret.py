@@ -79,6 +79,20 @@ def read_file_or_env(
 SECRET_FILE = Flag(name="cluster-secret-file", type=Path, to_field=load_secret)
 
 
+def require_secret(secret: ClusterSecret | None, insecure_no_auth: bool, advice: str) -> None:
+    """ConfigError unless there is a secret or `--insecure-no-auth`; `advice` ends the message."""
+    if secret is None and not insecure_no_auth:
+        raise ConfigError(
+            "cluster-secret-file: no cluster secret (give --cluster-secret-file PATH or set"
+            f" {ENV_VAR}{advice})"
+        )
+
+
+def key_of(secret: ClusterSecret | None, label: str) -> bytes | None:
+    """`secret.key(label)`, or None without a secret (--insecure-no-auth)."""
+    return None if secret is None else secret.key(label)
+
+
 def new_secret_text() -> str:
     """A fresh random secret (256 bits as hex)."""
     return secrets.token_hex(32)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from pdserve.errors import ConfigError
+from pdserve.settings import Flag
 
 DEFAULT_PORT = 2379
 DEFAULT_PREFIX = "/pdserve"
@@ -37,6 +38,11 @@ class EtcdEndpoint:
 
     def __str__(self) -> str:
         return f"etcd://{self.target}{self.prefix}"
+
+
+# `--discovery URI`, declared once for the router, the worker and `pdserve up` (each says in
+# its help what it does with the etcd there); checked by `parse_discovery` in their configs.
+DISCOVERY = Flag(type=str, metavar=_FORM)
 
 
 def parse_discovery(value: str) -> EtcdEndpoint:

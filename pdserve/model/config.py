@@ -231,28 +231,27 @@ class _Fields:
     def _fail(self, name: str, detail: str) -> ModelConfigError:
         return ModelConfigError(self.file, self.prefix + name, detail)
 
-    def pos_int(self, name: str, default: int | None = None) -> int:
-        """A present value must be > 0; absent, `default` is returned (None: required)."""
+    def _positive(
+        self, name: str, default: float | None, kinds: tuple[type[float], ...], what: str
+    ) -> float:
+        """A present value must be one of `kinds` and > 0; absent, `default` (None: required)."""
         value = self.raw.get(name)
         if value is None:
             if default is None:
                 raise self._fail(name, "missing")
             return default
         # bool is an int subclass: `true` is not a layer count.
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise self._fail(name, f"expected a positive integer, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, kinds) or value <= 0:
+            raise self._fail(name, f"expected {what}, got {value!r}")
         return value
 
+    def pos_int(self, name: str, default: int | None = None) -> int:
+        """A positive integer; absent, `default` is returned (None: required)."""
+        return int(self._positive(name, default, (int,), "a positive integer"))
+
     def pos_float(self, name: str, default: float | None = None) -> float:
-        """A present value must be > 0; absent, `default` is returned (None: required)."""
-        value = self.raw.get(name)
-        if value is None:
-            if default is None:
-                raise self._fail(name, "missing")
-            return default
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            raise self._fail(name, f"expected a positive number, got {value!r}")
-        return float(value)
+        """A positive number; absent, `default` is returned (None: required)."""
+        return float(self._positive(name, default, (int, float), "a positive number"))
 
     def boolean(self, name: str, default: bool) -> bool:
         """true/false; absent (or null), `default`."""

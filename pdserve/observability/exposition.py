@@ -108,6 +108,18 @@ def render_histograms(spec: MetricSpec, series: Iterable[tuple[Labels, Histogram
     return [family]
 
 
+def render_values(labels: Labels, values: Iterable[tuple[MetricSpec, float]]) -> list[Metric]:
+    """One single-sample family per (spec, value), every sample labelled `labels`."""
+    return [family for spec, value in values for family in render_family(spec, [(labels, value)])]
+
+
+def render_each_histogram(
+    labels: Labels, series: Iterable[tuple[MetricSpec, Histogram]]
+) -> list[Metric]:
+    """One histogram family per (spec, histogram), every one labelled `labels`."""
+    return [family for spec, hist in series for family in render_histograms(spec, [(labels, hist)])]
+
+
 @dataclass(frozen=True, slots=True)
 class _Families:
     """What `generate_latest` collects from: the families of one scrape."""

@@ -7,11 +7,16 @@ from pathlib import Path
 from typing import Literal
 
 from pdserve.auth.keys import ADMIN_KEY_FILE, API_KEY_FILE, METRICS_KEY_FILE, BearerKey
-from pdserve.auth.secret import SECRET_FILE, ClusterSecret
+from pdserve.auth.secret import (
+    SECRET_FILE,
+    ClusterSecret,
+    key_of,
+    require_secret,
+)
 from pdserve.auth.tls import TLSConfig
 from pdserve.errors import ConfigError
 from pdserve.faults import parse_rules
-from pdserve.membership.uri import parse_discovery
+from pdserve.membership.uri import DISCOVERY, parse_discovery
 from pdserve.protocol.checkpoint_policy import CheckpointPolicy
 from pdserve.protocol.worker_api import MAX_LEASE_TTL_S, MAX_WAIT_S
 from pdserve.router.access import AccessKeys
@@ -270,8 +275,7 @@ class RouterConfig:
     # Where workers register ("etcd://HOST:PORT[/PREFIX]"); None: the static `workers` list.
     discovery: str | None = setting(
         None,
-        type=str,
-        metavar="etcd://HOST:PORT[/PREFIX]",
+        DISCOVERY,
         help="find workers registered in etcd instead of --worker URLs",
     )
     # Fault-injection rules at the router's sites (`pdserve.faults` syntax), tests only.
@@ -423,12 +427,11 @@ class RouterConfig:
             raise ConfigError(
                 f"lease-ttl-s: must be in (0, {MAX_LEASE_TTL_S:g}], got {self.lease_ttl_s}"
             )
-        if self.cluster_secret is None and not self.insecure_no_auth:
-            raise ConfigError(
-                "cluster-secret-file: no cluster secret (give --cluster-secret-file PATH or set"
-                " PDSERVE_CLUSTER_SECRET, as for the workers; --insecure-no-auth for workers"
-                " that run without one)"
-            )
+        require_secret(
+            self.cluster_secret,
+            self.insecure_no_auth,
+            ", as for the workers; --insecure-no-auth for workers that run without one",
+        )
         if any(not name for name in self.served_model_names):
             raise ConfigError("served-model-name: names must not be empty")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -442,17 +445,17 @@ class RouterConfig:
     @property
     def http_key(self) -> bytes | None:
         """Key of worker control-call signatures."""
-        return None if self.cluster_secret is None else self.cluster_secret.key("http")
+        return key_of(self.cluster_secret, "http")
 
     @property
     def membership_key(self) -> bytes | None:
         """Key of the MAC every etcd registration must carry."""
-        return None if self.cluster_secret is None else self.cluster_secret.key("membership")
+        return key_of(self.cluster_secret, "membership")
 
     @property
     def reservation_key(self) -> bytes | None:
         """Key of the reservation signatures prefill workers check."""
-        return None if self.cluster_secret is None else self.cluster_secret.key("reservation")
+        return key_of(self.cluster_secret, "reservation")
 
     @property
     def initial_mode(self) -> Mode:

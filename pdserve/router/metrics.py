@@ -22,8 +22,9 @@ from pdserve.observability.exposition import (
     CONTENT_TYPE,
     SECONDS_BUCKETS,
     Histogram,
+    by_label,
+    render_each_histogram,
     render_family,
-    render_histograms,
     render_text,
 )
 from pdserve.observability.request_stats import RequestStats
@@ -126,17 +127,19 @@ class RouterMetrics:
                 for (mode, status), n in sorted(self.requests.items())
             ),
         )
-        for spec, hist in (
-            (m.ROUTER_TTFT, self.ttft_s),
-            (m.ROUTER_TPOT, self.tpot_s),
-            (m.ROUTER_ITL, self.itl_s),
-            (m.ROUTER_E2E, self.e2e_s),
-            (m.ROUTER_QUEUE, self.queue_s),
-            (m.ROUTER_PREFILL, self.prefill_s),
-            (m.ROUTER_TRANSFER, self.transfer_s),
-            (m.ROUTER_HANDOFF_GAP, self.handoff_gap_s),
-        ):
-            lines += render_histograms(spec, [({}, hist)])
+        lines += render_each_histogram(
+            {},
+            [
+                (m.ROUTER_TTFT, self.ttft_s),
+                (m.ROUTER_TPOT, self.tpot_s),
+                (m.ROUTER_ITL, self.itl_s),
+                (m.ROUTER_E2E, self.e2e_s),
+                (m.ROUTER_QUEUE, self.queue_s),
+                (m.ROUTER_PREFILL, self.prefill_s),
+                (m.ROUTER_TRANSFER, self.transfer_s),
+                (m.ROUTER_HANDOFF_GAP, self.handoff_gap_s),
+            ],
+        )
         for spec, counts, label in (
             (m.ROUTER_RETRIES, self.retries, "reason"),
             (m.ROUTER_FALLBACKS, self.fallbacks, "reason"),
@@ -144,7 +147,7 @@ class RouterMetrics:
             (m.ROUTER_KV_PAIR_PROBES, self.kv_pair_probes, "verdict"),
             (m.ROUTER_HANDOFF_SPIKES, self.handoff_spikes, "phase"),
         ):
-            lines += render_family(spec, (({label: k}, n) for k, n in sorted(counts.items())))
+            lines += render_family(spec, by_label({}, label, counts))
         lines += render_family(m.ROUTER_MIGRATIONS, [({}, self.num_migrations)])
         if self.breaker is not None:
             lines += render_family(

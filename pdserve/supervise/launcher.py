@@ -43,7 +43,7 @@ from pdserve.config import BLOCK_SIZE, DTYPE, MODEL
 from pdserve.errors import ConfigError
 from pdserve.flag_types import non_negative_float, non_negative_int, positive_int
 from pdserve.flag_types import port as port_number
-from pdserve.membership.uri import parse_discovery
+from pdserve.membership.uri import DISCOVERY, parse_discovery
 from pdserve.settings import repeated, setting
 from pdserve.supervise.policy import RestartPolicy
 from pdserve.supervise.process import (
@@ -125,9 +125,7 @@ class UpConfig:
         help="start a local etcd; workers register, routers watch",
     )
     # Workers register in this etcd and routers watch it (None: static URLs, or `local_etcd`).
-    discovery: str | None = setting(
-        None, type=str, metavar="etcd://HOST:PORT[/PREFIX]", help="an existing etcd"
-    )
+    discovery: str | None = setting(None, DISCOVERY, help="an existing etcd")
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     # The cluster's TLS files (`--tls-*`, passed on to every router and worker); the health
     # probes present its client context.

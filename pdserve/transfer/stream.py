@@ -25,10 +25,13 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
-from pdserve.errors import PeerClosed, StreamBroken
+from pdserve.errors import PeerClosed, StreamBroken, TransferError
+
+logger = logging.getLogger(__name__)
 
 Buffer = bytes | bytearray | memoryview
 """What `send` accepts: anything exporting a C-contiguous buffer, given as bytes or a view."""
@@ -72,6 +75,19 @@ class ByteStream(abc.ABC):
 
 StreamHandler = Callable[[ByteStream], Awaitable[None]]
 """Called by a server once per accepted connection; the server closes the stream after it."""
+
+
+async def serve_stream(handler: StreamHandler, stream: ByteStream, transport: str) -> None:
+    """Run `handler` on one accepted stream, log how it ended, then close the stream."""
+    try:
+        await handler(stream)
+    except TransferError as exc:
+        logger.info("%s handler ended: %s", transport, exc)
+    except Exception:
+        # A failing handler ends its own connection, never the server.
+        logger.exception("%s handler failed", transport)
+    finally:
+        await stream.aclose()
 
 
 class Server(Protocol):

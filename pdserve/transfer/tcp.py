@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from pdserve.errors import PeerClosed, StreamBroken, TransferError
+from pdserve.errors import PeerClosed, StreamBroken
 from pdserve.tasks import cancel_and_wait
 from pdserve.transfer.stream import (
     DEFAULT_RECEIVE_BYTES,
@@ -34,9 +33,8 @@ from pdserve.transfer.stream import (
     byte_views,
     check_max_bytes,
     close_both,
+    serve_stream,
 )
-
-logger = logging.getLogger(__name__)
 
 # Linux caps one sendmsg at IOV_MAX (1024) iovecs.
 _IOV_MAX = 1024
@@ -250,20 +248,9 @@ class TcpServer:
                 conn.close()
                 continue
             configure_socket(conn, self._config)
-            task = loop.create_task(self._serve_one(TcpStream(conn)))
+            task = loop.create_task(serve_stream(self._handler, TcpStream(conn), "tcp"))
             self._connections.add(task)
             task.add_done_callback(self._connections.discard)
-
-    async def _serve_one(self, stream: TcpStream) -> None:
-        try:
-            await self._handler(stream)
-        except TransferError as exc:
-            logger.info("tcp handler ended: %s", exc)
-        except Exception:
-            # A failing handler ends its own connection, never the server.
-            logger.exception("tcp handler failed")
-        finally:
-            await stream.aclose()
 
 
 async def serve_tcp(

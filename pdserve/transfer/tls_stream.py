@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import ssl
 from collections.abc import Sequence
 
-from pdserve.errors import PeerClosed, TransferError
+from pdserve.errors import PeerClosed
 from pdserve.transfer.stream import (
     DEFAULT_RECEIVE_BYTES,
     Address,
@@ -30,9 +29,8 @@ from pdserve.transfer.stream import (
     StreamHandler,
     byte_views,
     check_max_bytes,
+    serve_stream,
 )
-
-logger = logging.getLogger(__name__)
 
 # Bytes handed to the SSL transport per write, and taken from the reader per read: a transfer
 # never holds more than a few of these in Python at once, whatever its size.
@@ -159,15 +157,9 @@ class TlsServer:
         assert task is not None
         self._connections.add(task)
         try:
-            await self._handler(stream)
-        except TransferError as exc:
-            logger.info("tls handler ended: %s", exc)
-        except Exception:
-            # A failing handler ends its own connection, never the server.
-            logger.exception("tls handler failed")
+            await serve_stream(self._handler, stream, "tls")
         finally:
             self._connections.discard(task)
-            await stream.aclose()
 
     async def aclose(self) -> None:
         """Stop accepting, cancel running handlers and wait for them (idempotent)."""

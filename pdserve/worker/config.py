@@ -10,13 +10,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.auth.secret import SECRET_FILE, ClusterSecret
+from pdserve.auth.secret import (
+    SECRET_FILE,
+    ClusterSecret,
+    key_of,
+    require_secret,
+)
 from pdserve.auth.tls import TLSConfig
 from pdserve.config import EngineConfig
 from pdserve.errors import ConfigError
 from pdserve.faults import parse_rules
 from pdserve.membership.codec import check_worker_id
-from pdserve.membership.uri import parse_discovery
+from pdserve.membership.uri import DISCOVERY, parse_discovery
 from pdserve.settings import repeated, setting
 
 ROLES = ("prefill", "decode", "both")
@@ -61,8 +66,7 @@ class WorkerConfig:
     # Where to register for routers to find ("etcd://HOST:PORT[/PREFIX]"); None: not at all.
     discovery: str | None = setting(
         None,
-        type=str,
-        metavar="etcd://HOST:PORT[/PREFIX]",
+        DISCOVERY,
         group="membership (several machines)",
         help="register in etcd under a lease, for routers started with the same --discovery",
     )
@@ -227,12 +231,11 @@ class WorkerConfig:
                 f"kv-handshake-timeout-s must be > 0 and kv-max-connections >= 1, got"
                 f" {self.kv_handshake_timeout_s!r} and {self.kv_max_connections!r}"
             )
-        if self.cluster_secret is None and not self.insecure_no_auth:
-            raise ConfigError(
-                "cluster-secret-file: no cluster secret (give --cluster-secret-file PATH or set"
-                " PDSERVE_CLUSTER_SECRET; `pdserve up` makes one; --insecure-no-auth serves"
-                " without one)"
-            )
+        require_secret(
+            self.cluster_secret,
+            self.insecure_no_auth,
+            "; `pdserve up` makes one; --insecure-no-auth serves without one",
+        )
 
     def _check_discovery(self) -> None:
         parse_discovery(self.discovery or "")
@@ -249,28 +252,25 @@ class WorkerConfig:
                 " wildcard address"
             )
 
-    def _key(self, label: str) -> bytes | None:
-        return None if self.cluster_secret is None else self.cluster_secret.key(label)
-
     @property
     def http_key(self) -> bytes | None:
         """Key of control-call signatures (None: --insecure-no-auth)."""
-        return self._key("http")
+        return key_of(self.cluster_secret, "http")
 
     @property
     def reservation_key(self) -> bytes | None:
         """Key of the router's reservation signatures."""
-        return self._key("reservation")
+        return key_of(self.cluster_secret, "reservation")
 
     @property
     def membership_key(self) -> bytes | None:
         """Key of the MAC on this worker's etcd registration."""
-        return self._key("membership")
+        return key_of(self.cluster_secret, "membership")
 
     @property
     def kv_key(self) -> bytes | None:
         """Key of the KV Hello MACs."""
-        return self._key("kv-hello")
+        return key_of(self.cluster_secret, "kv-hello")
 
     @property
     def advertised_host(self) -> str:

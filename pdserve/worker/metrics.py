@@ -14,8 +14,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from prometheus_client.metrics_core import Metric
-
 from pdserve.engine.outputs import EngineStats
 from pdserve.observability import metric_names as m
 from pdserve.observability.exposition import (
@@ -23,9 +21,11 @@ from pdserve.observability.exposition import (
     GBPS_BUCKETS,
     SECONDS_BUCKETS,
     Histogram,
+    by_label,
+    render_each_histogram,
     render_family,
-    render_histograms,
     render_text,
+    render_values,
 )
 
 # Refusal reasons (error classes) that mean the two builds differ: version skew between a
@@ -79,44 +79,42 @@ def render(
 ) -> str:
     """Prometheus exposition text (version 0.0.4)."""
     w = {"worker_id": worker_id}
-    lines: list[Metric] = []
-    for spec, value in (
-        (m.WORKER_BLOCKS_TOTAL, stats.num_blocks),
-        (m.WORKER_BLOCKS_FREE, stats.num_free_blocks),
-        (m.WORKER_BLOCKS_PINNED, stats.num_held_blocks),
-        (m.WORKER_BLOCKS_RESERVED, counters.num_reserved_blocks),
-        (m.WORKER_REQUESTS_RUNNING, stats.num_running),
-        (m.WORKER_REQUESTS_WAITING, stats.num_waiting),
-        (m.WORKER_REQUESTS_REMOTE_WAITING, stats.num_remote_waiting),
-        (m.WORKER_LEASES_ACTIVE, num_active_leases),
-        (m.WORKER_TRANSFERS_SENT, counters.transfers_sent),
-        (m.WORKER_TRANSFERS_SEND_FAILED, counters.transfers_send_failed),
-        (m.WORKER_TRANSFERS_RECEIVED, counters.transfers_received),
-        (m.WORKER_TRANSFER_ATTEMPTS_REFUSED, counters.transfer_attempts_refused),
-        (m.WORKER_RESERVATIONS_CANCELLED, counters.reservations_cancelled),
-        (m.WORKER_LEASE_EXPIRIES, counters.lease_expiries),
-        (m.WORKER_KV_SEND_RETRIES, counters.kv_send_retries),
-    ):
-        lines += render_family(spec, [(w, value)])
-    refusals = sorted(counters.refusals_by_reason.items())
-    lines += render_family(
-        m.WORKER_TRANSFER_REFUSALS, (({**w, "reason": r}, n) for r, n in refusals)
+    lines = render_values(
+        w,
+        [
+            (m.WORKER_BLOCKS_TOTAL, stats.num_blocks),
+            (m.WORKER_BLOCKS_FREE, stats.num_free_blocks),
+            (m.WORKER_BLOCKS_PINNED, stats.num_held_blocks),
+            (m.WORKER_BLOCKS_RESERVED, counters.num_reserved_blocks),
+            (m.WORKER_REQUESTS_RUNNING, stats.num_running),
+            (m.WORKER_REQUESTS_WAITING, stats.num_waiting),
+            (m.WORKER_REQUESTS_REMOTE_WAITING, stats.num_remote_waiting),
+            (m.WORKER_LEASES_ACTIVE, num_active_leases),
+            (m.WORKER_TRANSFERS_SENT, counters.transfers_sent),
+            (m.WORKER_TRANSFERS_SEND_FAILED, counters.transfers_send_failed),
+            (m.WORKER_TRANSFERS_RECEIVED, counters.transfers_received),
+            (m.WORKER_TRANSFER_ATTEMPTS_REFUSED, counters.transfer_attempts_refused),
+            (m.WORKER_RESERVATIONS_CANCELLED, counters.reservations_cancelled),
+            (m.WORKER_LEASE_EXPIRIES, counters.lease_expiries),
+            (m.WORKER_KV_SEND_RETRIES, counters.kv_send_retries),
+        ],
     )
+    refusals = counters.refusals_by_reason
+    lines += render_family(m.WORKER_TRANSFER_REFUSALS, by_label(w, "reason", refusals))
+    skew = {SKEW_REASONS[r]: n for r, n in refusals.items() if r in SKEW_REASONS}
+    lines += render_family(m.WORKER_SKEW_REFUSALS, by_label(w, "reason", skew))
     lines += render_family(
-        m.WORKER_SKEW_REFUSALS,
-        (({**w, "reason": SKEW_REASONS[r]}, n) for r, n in refusals if r in SKEW_REASONS),
-    )
-    lines += render_family(
-        m.WORKER_LEASE_EXPIRIES_BY_REASON,
-        (({**w, "reason": k}, n) for k, n in sorted(counters.lease_expiries_by_kind.items())),
+        m.WORKER_LEASE_EXPIRIES_BY_REASON, by_label(w, "reason", counters.lease_expiries_by_kind)
     )
     if sends is not None:
-        for spec, hist in (
-            (m.WORKER_KV_SEND_SECONDS, sends.seconds),
-            (m.WORKER_KV_SEND_BYTES, sends.num_bytes),
-            (m.WORKER_KV_SEND_THROUGHPUT, sends.gigabytes_per_second),
-        ):
-            lines += render_histograms(spec, [(w, hist)])
+        lines += render_each_histogram(
+            w,
+            [
+                (m.WORKER_KV_SEND_SECONDS, sends.seconds),
+                (m.WORKER_KV_SEND_BYTES, sends.num_bytes),
+                (m.WORKER_KV_SEND_THROUGHPUT, sends.gigabytes_per_second),
+            ],
+        )
     return render_text(lines)
 
 
@@ -133,14 +131,13 @@ class FailClosedCounters:
 def render_fail_closed(worker_id: str, counters: FailClosedCounters) -> str:
     """Prometheus lines of the fail-closed counters."""
     w = {"worker_id": worker_id}
-    lines = render_family(
-        m.WORKER_KV_CANARY,
-        (({**w, "result": r}, n) for r, n in sorted(counters.canary.items())),
+    lines = render_family(m.WORKER_KV_CANARY, by_label(w, "result", counters.canary))
+    lines += render_values(
+        w,
+        [
+            (m.WORKER_KV_FENCED_WRITERS, counters.fenced_writers),
+            (m.WORKER_AUTH_REFUSALS, counters.auth_refusals),
+            (m.WORKER_ADMISSION_REFUSALS, counters.admission_refusals),
+        ],
     )
-    for spec, value in (
-        (m.WORKER_KV_FENCED_WRITERS, counters.fenced_writers),
-        (m.WORKER_AUTH_REFUSALS, counters.auth_refusals),
-        (m.WORKER_ADMISSION_REFUSALS, counters.admission_refusals),
-    ):
-        lines += render_family(spec, [(w, value)])
     return render_text(lines)

@@ -17,23 +17,21 @@ It formats numbers; it does not know where they come from beyond `EngineStats`.
 
 from __future__ import annotations
 
-from prometheus_client.metrics_core import Metric
-
 from pdserve.engine.outputs import EngineStats
 from pdserve.observability import metric_names as m
-from pdserve.observability.exposition import render_family, render_text
+from pdserve.observability.exposition import render_text, render_values
 
 
 def render_reuse(worker_id: str, stats: EngineStats) -> str:
     """Prometheus exposition lines (counters) for `stats`; names from `metric_names`."""
-    labels = {"worker_id": worker_id}
-    lines: list[Metric] = []
-    for spec, value in (
-        (m.WORKER_PREFILL_TOKENS, stats.num_prefill_tokens_total),
-        (m.WORKER_PREFILL_CACHED_TOKENS, stats.num_prefill_cached_tokens_total),
-        (m.WORKER_KV_RECEIVED_BLOCKS, stats.num_remote_kv_blocks_total),
-        (m.WORKER_KV_RECEIVED_BYTES, stats.num_remote_kv_blocks_total * stats.kv_block_bytes),
-        (m.WORKER_KV_RECEIVED_CACHED_TOKENS, stats.num_remote_cached_tokens_total),
-    ):
-        lines += render_family(spec, [(labels, value)])
+    lines = render_values(
+        {"worker_id": worker_id},
+        [
+            (m.WORKER_PREFILL_TOKENS, stats.num_prefill_tokens_total),
+            (m.WORKER_PREFILL_CACHED_TOKENS, stats.num_prefill_cached_tokens_total),
+            (m.WORKER_KV_RECEIVED_BLOCKS, stats.num_remote_kv_blocks_total),
+            (m.WORKER_KV_RECEIVED_BYTES, stats.num_remote_kv_blocks_total * stats.kv_block_bytes),
+            (m.WORKER_KV_RECEIVED_CACHED_TOKENS, stats.num_remote_cached_tokens_total),
+        ],
+    )
     return render_text(lines)

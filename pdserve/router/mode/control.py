@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Annotated, Any
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
 
 from pdserve.errors import InvalidRequest
 from pdserve.router.config import ModeSetting
@@ -75,13 +76,30 @@ class AutoView(BaseModel):
     last_detail: str | None
 
 
+def _nan_as_none(value: float | None) -> float | None:
+    return None if value is None else finite(value)
+
+
+def _none_as_nan(value: float | None) -> float:
+    return math.nan if value is None else value
+
+
+# A figure with no samples (NaN) is None in JSON; `to_figures` reads None back as NaN.
+_Figure = Annotated[float | None, BeforeValidator(_nan_as_none)]
+
+
 class DecodeFiguresView(BaseModel):
     """`interference.DecodeFigures` as JSON (seconds; None for NaN)."""
 
     num_tokens: int
-    mean_s: float | None
-    p50_s: float | None
-    p90_s: float | None
+    mean_s: _Figure
+    p50_s: _Figure
+    p90_s: _Figure
+
+    def to_figures(self) -> DecodeFigures:
+        """The figures back, None as NaN."""
+        nan = _none_as_nan
+        return DecodeFigures(self.num_tokens, nan(self.mean_s), nan(self.p50_s), nan(self.p90_s))
 
 
 class FiguresView(BaseModel):
@@ -92,10 +110,10 @@ class FiguresView(BaseModel):
     with_prefill: DecodeFiguresView
     without_prefill: DecodeFiguresView
     num_requests: int
-    ttft_attainment: float | None
-    tpot_attainment: float | None
-    attainment: float | None
-    request_tpot_p90_s: float | None
+    ttft_attainment: _Figure
+    tpot_attainment: _Figure
+    attainment: _Figure
+    request_tpot_p90_s: _Figure
     num_tpot_missed: int
     num_tpot_missed_interfered: int
     arrival_rate: float
@@ -104,28 +122,13 @@ class FiguresView(BaseModel):
 
     def to_figures(self) -> LiveFigures:
         """The figures back, None as NaN."""
-
-        def nan(value: float | None) -> float:
-            return math.nan if value is None else value
-
-        def decode(d: DecodeFiguresView) -> DecodeFigures:
-            return DecodeFigures(d.num_tokens, nan(d.mean_s), nan(d.p50_s), nan(d.p90_s))
-
-        return LiveFigures(
-            window_s=self.window_s,
-            with_prefill=decode(self.with_prefill),
-            without_prefill=decode(self.without_prefill),
-            num_requests=self.num_requests,
-            ttft_attainment=nan(self.ttft_attainment),
-            tpot_attainment=nan(self.tpot_attainment),
-            attainment=nan(self.attainment),
-            request_tpot_p90_s=nan(self.request_tpot_p90_s),
-            num_tpot_missed=self.num_tpot_missed,
-            num_tpot_missed_interfered=self.num_tpot_missed_interfered,
-            arrival_rate=self.arrival_rate,
-            prompt_tokens_per_s=self.prompt_tokens_per_s,
-            output_tokens_per_s=self.output_tokens_per_s,
-        )
+        figures: dict[str, Any] = {
+            name: value.to_figures()
+            if isinstance(value, DecodeFiguresView)
+            else _none_as_nan(value)
+            for name, value in self
+        }
+        return LiveFigures(**figures)
 
 
 def _ms(seconds: float) -> float | None:
@@ -135,30 +138,7 @@ def _ms(seconds: float) -> float | None:
 
 def figures_view(f: LiveFigures) -> FiguresView:
     """The JSON form of live figures (NaN as None)."""
-
-    def decode(d: DecodeFigures) -> DecodeFiguresView:
-        return DecodeFiguresView(
-            num_tokens=d.num_tokens,
-            mean_s=finite(d.mean_s),
-            p50_s=finite(d.p50_s),
-            p90_s=finite(d.p90_s),
-        )
-
-    return FiguresView(
-        window_s=f.window_s,
-        with_prefill=decode(f.with_prefill),
-        without_prefill=decode(f.without_prefill),
-        num_requests=f.num_requests,
-        ttft_attainment=finite(f.ttft_attainment),
-        tpot_attainment=finite(f.tpot_attainment),
-        attainment=finite(f.attainment),
-        request_tpot_p90_s=finite(f.request_tpot_p90_s),
-        num_tpot_missed=f.num_tpot_missed,
-        num_tpot_missed_interfered=f.num_tpot_missed_interfered,
-        arrival_rate=f.arrival_rate,
-        prompt_tokens_per_s=f.prompt_tokens_per_s,
-        output_tokens_per_s=f.output_tokens_per_s,
-    )
+    return FiguresView.model_validate(f, from_attributes=True)
 
 
 class EvaluationView(BaseModel):

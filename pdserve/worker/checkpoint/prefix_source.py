@@ -25,14 +25,13 @@ from collections import Counter
 from collections.abc import Sequence
 
 from aiohttp import web
-from prometheus_client.metrics_core import Metric
 
 from pdserve.checkpoint.holder import Refusal
 from pdserve.engine.canary import ValueDigest
 from pdserve.engine.engine import Engine
 from pdserve.errors import CheckpointRefused, PdserveError
 from pdserve.observability import checkpoint_metric_names as cm
-from pdserve.observability.exposition import by_label, render_family, render_text
+from pdserve.observability.exposition import by_label, render_family, render_text, render_values
 from pdserve.protocol.checkpoint_api import (
     CheckpointFound,
     CheckpointLookup,
@@ -135,13 +134,14 @@ class PrefixCacheSource:
     def render(self, worker_id: str) -> str:
         """Prometheus lines of the cache source's counters."""
         w = {"worker_id": worker_id}
-        lines: list[Metric] = []
-        for spec, value in (
-            (cm.WORKER_CACHE_SOURCE_LOOKUPS, self.num_lookups),
-            (cm.WORKER_CACHE_SOURCE_SENT_BLOCKS, self.num_blocks_sent),
-            (cm.WORKER_CACHE_SOURCE_SENT_BYTES, self.num_bytes_sent),
-        ):
-            lines += render_family(spec, [(w, value)])
+        lines = render_values(
+            w,
+            [
+                (cm.WORKER_CACHE_SOURCE_LOOKUPS, self.num_lookups),
+                (cm.WORKER_CACHE_SOURCE_SENT_BLOCKS, self.num_blocks_sent),
+                (cm.WORKER_CACHE_SOURCE_SENT_BYTES, self.num_bytes_sent),
+            ],
+        )
         lines += render_family(cm.WORKER_CACHE_SOURCE_REFUSALS, by_label(w, "reason", self.refused))
         lines += render_family(
             cm.WORKER_CACHE_SOURCE_SEND_FAILURES, by_label(w, "error", self.send_failures)

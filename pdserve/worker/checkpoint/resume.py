@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -48,16 +47,11 @@ from pdserve.protocol.checkpoint_api import (
     CheckpointSent,
 )
 from pdserve.protocol.reservation_signing import sign_reservation
-from pdserve.protocol.worker_api import CheckpointSource, KVEndpoint, Reservation
-from pdserve.transfer.messages import token_digest
+from pdserve.protocol.worker_api import CheckpointSource, KVEndpoint
 from pdserve.transfer.receiver import IncomingTransfer, KVReceiver
-from pdserve.transfer.receiver_session import ReceivePlan
 from pdserve.worker.checkpoint.peer_client import PeerClient
-from pdserve.worker.checkpoint.store import CheckpointStore
+from pdserve.worker.checkpoint.store import CheckpointStore, import_plan, import_reservation
 from pdserve.worker.engine_loop import EngineInfo, EngineLoop
-from pdserve.worker.kv.outbox import layout_of
-
-_PULL_EPOCH = 0
 
 
 class Path(enum.Enum):
@@ -219,30 +213,13 @@ class CheckpointPuller:
         if holder and self._store is not None and offer.source_id == self._store.holder_id:
             return await self._copy_own(import_id, views, prefix, adopt_owner, lease_ttl_s, start)
         verified = asyncio.Event()
-        transfer_id, capability = os.urandom(16), os.urandom(16)
-        layout = layout_of(info, num_blocks)
-        plan = ReceivePlan(
-            transfer_id,
-            capability,
-            layout,
-            import_id,
-            len(prefix),
-            token_digest(prefix),
-            epoch=_PULL_EPOCH,
-        )
+        plan = import_plan(info, import_id, prefix, num_blocks)
         ok = False
         incoming = IncomingTransfer(plan, views, verified.set)
         try:
             self._receiver.expect(incoming)
-            reservation = Reservation(
-                request_id=import_id,
-                transfer_id=transfer_id.hex(),
-                capability_token=capability.hex(),
-                endpoints=self._endpoints(),
-                lease_epoch=_PULL_EPOCH,
-                num_cached_tokens=0,
-                lease_ttl_s=self._timeout_s,
-                instance_id=self._receiver.instance.hex(),
+            reservation = import_reservation(
+                plan, self._receiver, self._endpoints(), self._timeout_s
             )
             body = CheckpointSend(
                 token_ids=prefix,
@@ -274,7 +251,7 @@ class CheckpointPuller:
             # Shielded as one: a cancelled caller (the client left) must neither free blocks
             # a writer can still land bytes in nor leave them allocated.
             keep = prefix if ok else None
-            await asyncio.shield(self._end_import(import_id, keep, transfer_id))
+            await asyncio.shield(self._end_import(import_id, keep, plan.transfer_id))
 
     async def _copy_own(
         self,

@@ -18,7 +18,6 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from aiohttp import web
-from prometheus_client.metrics_core import Metric
 from pydantic import BaseModel
 
 from pdserve.auth.tls import client_context
@@ -27,7 +26,7 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestDelta
 from pdserve.errors import RequestNotFound
 from pdserve.observability import checkpoint_metric_names as cm
-from pdserve.observability.exposition import by_label, render_family, render_text
+from pdserve.observability.exposition import by_label, render_family, render_text, render_values
 from pdserve.observability.timeline_log import EventRing
 from pdserve.protocol.checkpoint_api import (
     CheckpointLookup,
@@ -210,23 +209,24 @@ class CheckpointService:
         """Prometheus lines of every checkpoint counter and gauge."""
         w = {"worker_id": worker_id}
         tier, store, counters = self.store.tier, self.store, self.streams.counters
-        lines: list[Metric] = []
-        lines += render_family(
+        lines = render_family(
             cm.WORKER_CHECKPOINT_RESUMES,
             [({**w, "path": p, "reason": r}, n) for (p, r), n in sorted(self.resumes.items())],
         )
-        for spec, value in (
-            (cm.WORKER_CHECKPOINT_RESUMED_TOKENS, self.num_resumed_tokens),
-            (cm.WORKER_CHECKPOINT_RECOMPUTED_TOKENS, self.num_recomputed_tokens),
-            (cm.WORKER_CHECKPOINT_PULLED_BYTES, self.num_pulled_bytes),
-            (cm.WORKER_CHECKPOINT_PUT_BLOCKS, counters.num_blocks_put),
-            (cm.WORKER_CHECKPOINT_PUT_BYTES, counters.num_bytes_put),
-            (cm.WORKER_CHECKPOINT_HELD_BLOCKS, tier.num_blocks),
-            (cm.WORKER_CHECKPOINT_HELD_BYTES, tier.used_bytes + tier.reserved_bytes),
-            (cm.WORKER_CHECKPOINT_OWNERS, tier.num_owners),
-            (cm.WORKER_CHECKPOINT_LEASE_EXPIRIES, store.num_lease_expiries),
-        ):
-            lines += render_family(spec, [(w, value)])
+        lines += render_values(
+            w,
+            [
+                (cm.WORKER_CHECKPOINT_RESUMED_TOKENS, self.num_resumed_tokens),
+                (cm.WORKER_CHECKPOINT_RECOMPUTED_TOKENS, self.num_recomputed_tokens),
+                (cm.WORKER_CHECKPOINT_PULLED_BYTES, self.num_pulled_bytes),
+                (cm.WORKER_CHECKPOINT_PUT_BLOCKS, counters.num_blocks_put),
+                (cm.WORKER_CHECKPOINT_PUT_BYTES, counters.num_bytes_put),
+                (cm.WORKER_CHECKPOINT_HELD_BLOCKS, tier.num_blocks),
+                (cm.WORKER_CHECKPOINT_HELD_BYTES, tier.used_bytes + tier.reserved_bytes),
+                (cm.WORKER_CHECKPOINT_OWNERS, tier.num_owners),
+                (cm.WORKER_CHECKPOINT_LEASE_EXPIRIES, store.num_lease_expiries),
+            ],
+        )
         lines += render_family(
             cm.WORKER_CHECKPOINT_PUT_TRANSPORT_BYTES,
             by_label(w, "transport", counters.bytes_by_transport),

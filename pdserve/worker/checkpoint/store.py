@@ -26,7 +26,7 @@ import contextlib
 import os
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 
 from pdserve.checkpoint.holder import BlockRun, Refusal
 from pdserve.checkpoint.host_tier import HostPut, HostTier
@@ -49,8 +49,40 @@ from pdserve.worker.checkpoint.sender import BlockSender, put_request_id
 from pdserve.worker.engine_loop import EngineInfo
 from pdserve.worker.kv.outbox import Destination, layout_of
 
-# The receiving side names no lease epoch for a put (its lease is the owner's, not a block's).
-_PUT_EPOCH = 0
+# The receiving side names no lease epoch for an import, a put or a pull (their lease is the
+# owner's or the resume's, not a block's).
+_IMPORT_EPOCH = 0
+
+
+def import_plan(
+    info: EngineInfo, request_id: str, tokens: Sequence[int], num_blocks: int
+) -> ReceivePlan:
+    """The receive plan of `num_blocks` blocks holding `tokens`, under fresh random ids."""
+    return ReceivePlan(
+        os.urandom(16),
+        os.urandom(16),
+        layout_of(info, num_blocks),
+        request_id,
+        len(tokens),
+        token_digest(tokens),
+        epoch=_IMPORT_EPOCH,
+    )
+
+
+def import_reservation(
+    plan: ReceivePlan, receiver: KVReceiver, endpoints: list[KVEndpoint], lease_ttl_s: float
+) -> Reservation:
+    """The reservation a sender is given to send `plan`'s blocks to `receiver`."""
+    return Reservation(
+        request_id=plan.request_id or "",
+        transfer_id=plan.transfer_id.hex(),
+        capability_token=plan.capability_token.hex(),
+        endpoints=endpoints,
+        lease_epoch=_IMPORT_EPOCH,
+        num_cached_tokens=0,
+        lease_ttl_s=lease_ttl_s,
+        instance_id=receiver.instance.hex(),
+    )
 
 
 def check_fingerprint(info: EngineInfo, digest: str, where: str, refused: Counter[str]) -> None:
@@ -127,16 +159,8 @@ class CheckpointStore:
         )
         info = self._info
         tokens = [t for block in body.block_tokens for t in block]
-        transfer_id, capability = os.urandom(16), os.urandom(16)
-        layout = layout_of(info, len(pending.keys))
-        plan = ReceivePlan(
-            transfer_id,
-            capability,
-            layout,
-            put_request_id(body.owner, body.first_version),
-            len(tokens),
-            token_digest(tokens),
-            epoch=_PUT_EPOCH,
+        plan = import_plan(
+            info, put_request_id(body.owner, body.first_version), tokens, len(pending.keys)
         )
         verified = asyncio.Event()
         incoming = IncomingTransfer(plan, pending.buffers, verified.set)
@@ -146,16 +170,7 @@ class CheckpointStore:
             self.tier.abort(pending)
             raise
         self._spawn(self._settle_put(incoming, pending, verified))
-        return Reservation(
-            request_id=plan.request_id or "",
-            transfer_id=transfer_id.hex(),
-            capability_token=capability.hex(),
-            endpoints=self._endpoints(),
-            lease_epoch=_PUT_EPOCH,
-            num_cached_tokens=0,
-            lease_ttl_s=body.lease_ttl_s,
-            instance_id=self._receiver.instance.hex(),
-        )
+        return import_reservation(plan, self._receiver, self._endpoints(), body.lease_ttl_s)
 
     async def _settle_put(
         self, incoming: IncomingTransfer, pending: HostPut, verified: asyncio.Event
