@@ -42,9 +42,10 @@ Labels = Mapping[str, str]
 
 @dataclass(slots=True)
 class Histogram:
-    """Cumulative-bucket histogram (Prometheus semantics: a value equal to a bound is in it)."""
+    """Cumulative-bucket histogram (Prometheus semantics: a value equal to a bound is in it);
+    of durations in seconds unless given other `bounds`."""
 
-    bounds: tuple[float, ...]
+    bounds: tuple[float, ...] = SECONDS_BUCKETS
     counts: list[int] = field(default_factory=list)
     total: float = 0.0
     num: int = 0

@@ -41,6 +41,7 @@ from pdserve.membership import open_membership
 from pdserve.model.config import load_config
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.observability import otel
+from pdserve.observability.exposition import CONTENT_TYPE
 from pdserve.protocol.worker_api import WorkerHealth, body_limit_bytes
 from pdserve.router import debug_view
 from pdserve.router import metrics as metrics_mod
@@ -203,7 +204,7 @@ class _Routes:
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(
             body=self._metrics.render().encode(),
-            headers={"Content-Type": metrics_mod.CONTENT_TYPE},
+            headers={"Content-Type": CONTENT_TYPE},
         )
 
     async def kv_index(self, request: web.Request) -> web.Response:

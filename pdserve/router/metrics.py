@@ -19,8 +19,6 @@ from prometheus_client.metrics_core import Metric
 
 from pdserve.observability import metric_names as m
 from pdserve.observability.exposition import (
-    CONTENT_TYPE,
-    SECONDS_BUCKETS,
     Histogram,
     by_label,
     render_each_histogram,
@@ -32,16 +30,10 @@ from pdserve.router.mode.breaker import BreakerState, CircuitBreaker
 from pdserve.router.workers.pair_probes import PairProbe
 from pdserve.router.workers.pool import WorkerPool
 
-__all__ = ["CONTENT_TYPE", "Histogram", "RouterMetrics", "WorkerGauges"]
+__all__ = ["RouterMetrics", "WorkerGauges"]
 
-# Kept for callers of the previous module: the TTFT buckets are the shared duration buckets.
-TTFT_BUCKETS_S = SECONDS_BUCKETS
 # Gauge values of pdserve_router_breaker_state.
 BREAKER_STATE_VALUES = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
-
-
-def _seconds() -> Histogram:
-    return Histogram(SECONDS_BUCKETS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,14 +60,14 @@ class RouterMetrics:
     """Everything /metrics exposes."""
 
     requests: Counter[tuple[str, str]] = field(default_factory=Counter)
-    ttft_s: Histogram = field(default_factory=_seconds)
-    tpot_s: Histogram = field(default_factory=_seconds)
-    itl_s: Histogram = field(default_factory=_seconds)
-    e2e_s: Histogram = field(default_factory=_seconds)
-    queue_s: Histogram = field(default_factory=_seconds)
-    prefill_s: Histogram = field(default_factory=_seconds)
-    transfer_s: Histogram = field(default_factory=_seconds)
-    handoff_gap_s: Histogram = field(default_factory=_seconds)
+    ttft_s: Histogram = field(default_factory=Histogram)
+    tpot_s: Histogram = field(default_factory=Histogram)
+    itl_s: Histogram = field(default_factory=Histogram)
+    e2e_s: Histogram = field(default_factory=Histogram)
+    queue_s: Histogram = field(default_factory=Histogram)
+    prefill_s: Histogram = field(default_factory=Histogram)
+    transfer_s: Histogram = field(default_factory=Histogram)
+    handoff_gap_s: Histogram = field(default_factory=Histogram)
     retries: Counter[str] = field(default_factory=Counter)
     fallbacks: Counter[str] = field(default_factory=Counter)
     num_migrations: int = 0

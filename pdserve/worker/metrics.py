@@ -19,7 +19,6 @@ from pdserve.observability import metric_names as m
 from pdserve.observability.exposition import (
     BYTES_BUCKETS,
     GBPS_BUCKETS,
-    SECONDS_BUCKETS,
     Histogram,
     by_label,
     render_each_histogram,
@@ -40,7 +39,7 @@ SKEW_REASONS: Mapping[str, str] = {
 class SendHistograms:
     """Acknowledged KV sends of one worker (the outbox observes them)."""
 
-    seconds: Histogram = field(default_factory=lambda: Histogram(SECONDS_BUCKETS))
+    seconds: Histogram = field(default_factory=Histogram)
     num_bytes: Histogram = field(default_factory=lambda: Histogram(BYTES_BUCKETS))
     gigabytes_per_second: Histogram = field(default_factory=lambda: Histogram(GBPS_BUCKETS))
 
