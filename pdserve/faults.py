@@ -58,6 +58,9 @@ class FaultSite(enum.StrEnum):
     WORKER_PREFILL_REPLY = "worker.prefill_reply"
     # Decode side, once per token streamed by /decode or /generate (before it is written).
     WORKER_DECODE_TOKENS = "worker.decode_tokens"
+    # Any worker, once per engine step that produced output, on the engine thread (delay only:
+    # an engine slower than the machine, whatever else runs on it).
+    WORKER_ENGINE_STEP = "worker.engine_step"
     # Prefill side, once per send on a KV byte stream, counted across every transfer.
     TRANSFER_SEND = "transfer.send"
     # Decode side, once per Chunk frame the KV receiver accepts (before its data lands).
@@ -89,6 +92,7 @@ _SITE_ACTIONS: dict[FaultSite, tuple[FaultKind, ...]] = {
     FaultSite.TRANSFER_SEND: tuple(k for k in FaultKind if k is not FaultKind.SHIFT),
     FaultSite.TRANSFER_SOURCE_KV: (FaultKind.CORRUPT,),
     FaultSite.TRANSFER_RECV_MAP: (FaultKind.SHIFT,),
+    FaultSite.WORKER_ENGINE_STEP: (FaultKind.DELAY,),
 }
 DEFAULT_DELAY_S = 0.5
 

@@ -27,6 +27,7 @@ import logging
 import math
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar, Unpack
@@ -35,6 +36,7 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import EngineStats, RequestDelta
 from pdserve.engine.request import StartOptions
 from pdserve.errors import NoFreeBlocks, PromptTooLong, RequestNotFound
+from pdserve.faults import FaultInjector, FaultSite
 from pdserve.protocol.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -81,8 +83,12 @@ class _Stream:
 class EngineLoop:
     """Owns one engine on its own thread; every method here is safe from any thread."""
 
-    def __init__(self, build: Callable[[], Engine], name: str = "engine") -> None:
+    def __init__(
+        self, build: Callable[[], Engine], name: str = "engine", faults: FaultInjector | None = None
+    ) -> None:
         self._build = build
+        # The `worker.engine_step` site (tests only: an engine slower than the machine).
+        self._faults = faults
         self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         # request id -> where its deltas go; touched on the engine thread only.
         self._streams: dict[str, _Stream] = {}
@@ -334,6 +340,10 @@ class EngineLoop:
             self._snapshot = engine.stats()
             return
         self._snapshot = engine.stats()
+        if deltas and self._faults is not None:
+            rule = self._faults.fire(FaultSite.WORKER_ENGINE_STEP)
+            if rule is not None:
+                time.sleep(rule.delay_s)  # the engine thread's own pace: nothing else waits
         for delta in deltas:
             stream = self._streams.get(delta.request_id)
             if stream is None:

@@ -74,8 +74,14 @@ class Worker:
         engine_config = config.engine
         # The prefix cache's stored/evicted hashes, streamed to routers (POST /kv_events).
         self.kv_events = KVEventLog()
+        # Fault injection exists only when asked for; None keeps every site a no-op.
+        self.faults: FaultInjector | None = None
+        if config.faults or config.enable_fault_admin:
+            self.faults = FaultInjector(parse_rules(config.faults), config.fault_seed)
         self.engine = EngineLoop(
-            lambda: Engine.from_config(engine_config, kv_events=self.kv_events), name="engine"
+            lambda: Engine.from_config(engine_config, kv_events=self.kv_events),
+            name="engine",
+            faults=self.faults,
         )
         self.kv_streams = KVEventStreams(self.kv_events, self.engine)
         self.leases = LeaseKeeper(config.reap_interval_s)
@@ -83,10 +89,6 @@ class Worker:
         self.outbox: KVOutbox | None = None
         self.checkpoints: CheckpointService | None = None
         self.cache_source: PrefixCacheSource | None = None
-        # Fault injection exists only when asked for; None keeps every site a no-op.
-        self.faults: FaultInjector | None = None
-        if config.faults or config.enable_fault_admin:
-            self.faults = FaultInjector(parse_rules(config.faults), config.fault_seed)
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
         self.registration: Registration | None = None

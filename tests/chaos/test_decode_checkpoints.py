@@ -39,6 +39,10 @@ HEALTH_DEADLINE_S = 1.0
 PROMPT = "Once upon a time " * 12
 BODY = {"model": "tiny-v2", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
 PUTS = "pdserve_worker_checkpoint_put_blocks_total"
+# Decode steps of at least 5 ms: a stream outlasts the puts and the watcher that counts them
+# however loaded the machine is (a starved decoder could finish 400 tokens before its
+# checkpoint puts, which share its process, had counted the fault's block).
+PACED_DECODE = ("--fault", "worker.engine_step:delay:delay_s=0.005,times=0")
 
 
 def _cluster(
@@ -48,7 +52,9 @@ def _cluster(
     with worker_processes() as handles:
         handles.append(launch_worker("prefill", tmp_path, model=tiny_model_path))
         for _ in range(num_decode):
-            handles.append(launch_worker("decode", tmp_path, model=tiny_model_path))
+            handles.append(
+                launch_worker("decode", tmp_path, model=tiny_model_path, extra_args=PACED_DECODE)
+            )
         for handle in handles:
             wait_ready(handle)
         router_args = (
@@ -135,7 +141,7 @@ def killing_after_puts(
     before = {h.url: metrics(h.url).get(PUTS, 0) for h in decodes}
     streaming = threading.Event()
 
-    def watch() -> None:
+    def watch() -> dict[str, float]:
         deadline = time.monotonic() + 60
         while streaming.is_set():
             for h in decodes:
@@ -144,9 +150,10 @@ def killing_after_puts(
                     if signum == signal.SIGKILL:
                         h.proc.wait(5)
                     faulted.append(h)
-                    return
+                    return {}
             assert time.monotonic() < deadline, f"no decode worker made {puts} puts in 60 s"
             time.sleep(0.002)
+        return {h.url: metrics(h.url).get(PUTS, 0) - before[h.url] for h in decodes}
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         streaming.set()
@@ -155,7 +162,8 @@ def killing_after_puts(
             yield faulted
         finally:
             streaming.clear()  # the body ended: a fault not sent by now is never sent
-            watcher.result()
+            grown = watcher.result()
+        assert faulted, f"the stream ended before {puts} puts on one decoder: {grown}"
 
 
 def wait_clean(handles: list[WorkerHandle], timeout_s: float) -> None:

@@ -113,7 +113,10 @@ def test_only_transfer_send_damages_bytes() -> None:
     # KV in memory: damaged before its checksum, or landed one block off (the canary's tests).
     assert allowed_actions(FaultSite.TRANSFER_SOURCE_KV) == (FaultKind.CORRUPT,)
     assert allowed_actions(FaultSite.TRANSFER_RECV_MAP) == (FaultKind.SHIFT,)
-    for site in set(FaultSite) - {SEND, FaultSite.TRANSFER_SOURCE_KV, FaultSite.TRANSFER_RECV_MAP}:
+    # The engine thread only waits: nothing there to close, and a stall would hang every request.
+    assert allowed_actions(FaultSite.WORKER_ENGINE_STEP) == (FaultKind.DELAY,)
+    special = {SEND, FaultSite.TRANSFER_SOURCE_KV, FaultSite.TRANSFER_RECV_MAP}
+    for site in set(FaultSite) - special - {FaultSite.WORKER_ENGINE_STEP}:
         assert set(allowed_actions(site)) == {"delay", "close", "stall", "crash"}
     assert {s.value for s in FaultSite} == {
         "router.before_reserve",
@@ -122,6 +125,7 @@ def test_only_transfer_send_damages_bytes() -> None:
         "worker.prefill",
         "worker.prefill_reply",
         "worker.decode_tokens",
+        "worker.engine_step",
         "transfer.send",
         "transfer.recv_chunk",
         "transfer.source_kv",

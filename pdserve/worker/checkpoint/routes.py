@@ -133,9 +133,15 @@ class CheckpointService:
     # ---- the request's side --------------------------------------------------------------
 
     async def open_replica(
-        self, rid: str, plan: CheckpointPlan, outputs: list[int], num_sent_blocks: int
+        self,
+        rid: str,
+        plan: CheckpointPlan,
+        outputs: list[int],
+        num_sent_blocks: int,
+        computed: bool,
     ) -> Replica | None:
-        """Start replicating the request's KV (None: off, or it already ended)."""
+        """Start replicating the request's KV (None: off, or it already ended); `computed`: its
+        KV is in the engine already (a handoff's), else the first tokens start the puts."""
 
         def prompt_of(engine: Engine) -> list[int] | None:
             try:
@@ -146,7 +152,8 @@ class CheckpointService:
         prompt = await self._engine.call(prompt_of)
         if prompt is None:
             return None
-        return self.streams.open(rid, plan, [*prompt, *outputs], len(prompt), num_sent_blocks)
+        tokens = [*prompt, *outputs]
+        return self.streams.open(rid, plan, tokens, len(prompt), num_sent_blocks, computed)
 
     async def pull_for(
         self, body: GenerateRequest, events: EventRing

@@ -88,6 +88,7 @@ class Replica:
         num_prompt_tokens: int,
         streams: CheckpointStreams,
         num_sent_blocks: int = 0,
+        computed: bool = True,
     ) -> None:
         self.owner = owner
         self.plan = plan
@@ -98,7 +99,11 @@ class Replica:
         self.stopped = False
         self._streams = streams
         self._wake = asyncio.Event()
-        self._wake.set()
+        # KV that is in place (a handoff's, received before the stream) goes at once; a request
+        # the engine has not run yet holds no blocks until it does, so its first tokens (the
+        # whole prompt computed, or found in the prefix cache) are what wakes the replica.
+        if computed:
+            self._wake.set()
         self._parent_hash = 0
         bs = streams.info.block_size
         for i in range(num_sent_blocks):
@@ -385,9 +390,13 @@ class CheckpointStreams:
         token_ids: Sequence[int],
         num_prompt_tokens: int,
         num_sent_blocks: int = 0,
+        computed: bool = True,
     ) -> Replica | None:
-        """Start replicating the request `owner` (None: its plan says off)."""
+        """Start replicating the request `owner` (None: its plan says off); `computed`: the KV
+        of `token_ids` is in the engine already (else the first tokens say so)."""
         policy = CheckpointPolicy.parse(plan.policy, "checkpoint.policy")
         if not policy.enabled:
             return None
-        return Replica(owner, plan, policy, token_ids, num_prompt_tokens, self, num_sent_blocks)
+        return Replica(
+            owner, plan, policy, token_ids, num_prompt_tokens, self, num_sent_blocks, computed
+        )

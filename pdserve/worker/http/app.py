@@ -325,7 +325,9 @@ class WorkerAPI:
                 done = True
                 return response
             await self.streams.write(response, TokenEvent(token_ids=[], handoff=handoff))
-            replica = await self._open_replica(rid, body.checkpoint, [body.first_token_id])
+            replica = await self._open_replica(
+                rid, body.checkpoint, [body.first_token_id], computed=True
+            )
             try:
                 await self.streams.stream(
                     queue, response, rid, body.deadline_s, on_tokens(replica, None)
@@ -368,8 +370,13 @@ class WorkerAPI:
             replica: Replica | None = None
             try:
                 response = await self.streams.open(request)
+                # Not scheduled yet (no blocks): the replica starts with the first tokens.
                 replica = await self._open_replica(
-                    body.request_id, body.checkpoint, body.output_token_ids, num_adopted
+                    body.request_id,
+                    body.checkpoint,
+                    body.output_token_ids,
+                    num_adopted,
+                    computed=False,
                 )
                 await self.streams.stream(
                     queue, response, body.request_id, body.deadline_s, on_tokens(replica, first)
@@ -385,12 +392,18 @@ class WorkerAPI:
             return response
 
     async def _open_replica(
-        self, rid: str, plan: CheckpointPlan | None, outputs: list[int], num_sent: int = 0
+        self,
+        rid: str,
+        plan: CheckpointPlan | None,
+        outputs: list[int],
+        num_sent: int = 0,
+        *,
+        computed: bool,
     ) -> Replica | None:
         """Start replicating the request's KV to its holder (None: no plan)."""
         if plan is None or self.checkpoints is None:
             return None
-        return await self.checkpoints.open_replica(rid, plan, outputs, num_sent)
+        return await self.checkpoints.open_replica(rid, plan, outputs, num_sent, computed)
 
     async def _pull_checkpoint(
         self, body: GenerateRequest

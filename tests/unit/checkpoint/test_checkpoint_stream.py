@@ -38,6 +38,8 @@ RESERVATION = Reservation(
 class FakeEngine:
     def __init__(self) -> None:
         self.gone = False
+        # False: the request waits for its first step, so it holds no blocks yet.
+        self.scheduled = True
 
     def block_ids(self, request_id: str) -> list[int]:
         return list(range(8))
@@ -49,8 +51,8 @@ class FakeEngine:
         return logits
 
     def copy_blocks(self, request_id: str, start: int, end: int) -> list[bytes]:
-        if self.gone:
-            raise RequestNotFound(request_id)
+        if self.gone or not self.scheduled:
+            raise RequestNotFound(f"request {request_id}: blocks {start}..{end} not held")
         return [bytes([i]) * 8 for i in range(start, end)]
 
 
@@ -120,6 +122,31 @@ def test_every_block_goes_once_in_a_chain_and_the_end_releases() -> None:
         await replica.close()
         await streams.aclose()  # the release goes in the background
         assert peers.posts[-1] == ("/checkpoint/release", CheckpointOwner(owner="r"))
+
+    asyncio.run(scenario())
+
+
+def test_a_request_not_yet_run_is_replicated_from_its_first_tokens() -> None:
+    """/generate (a cached prompt, a resume) opens the replica before the engine has run the
+    request, which holds no blocks until then: the puts start with the first tokens, rather
+    than the first put finding nothing and the replica stopping for the whole request."""
+
+    async def scenario() -> None:
+        streams, loop, peers, _ = _streams()
+        loop.engine.scheduled = False
+        plan = CheckpointPlan(holder_url="http://h", policy="every-1", lease_ttl_s=30.0)
+        prompt = list(range(10, 19))  # two full blocks, found in the prefix cache
+        replica = streams.open("r", plan, prompt, len(prompt), computed=False)
+        assert replica is not None
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert _puts(peers) == [] and not replica.stopped
+        loop.engine.scheduled = True  # the step ran: the whole prompt has KV, a token came
+        on_tokens(replica, None)(_delta([50]))
+        await until(lambda: replica.num_sent_blocks == 2)
+        assert not replica.stopped and streams.counters.num_blocks_put == 2
+        await replica.close()
+        await streams.aclose()
 
     asyncio.run(scenario())
 
