@@ -144,6 +144,20 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             },
         },
     ),
+    # vLLM test_return_tokens_as_ids.py: every logprob token and alternative is named
+    # `token_id:N` (an emoji the tokenizer splits into byte tokens included).
+    "chat-token-ids": (
+        "chat",
+        {
+            "messages": [{"role": "user", "content": "Say \U0001f389 twice"}],
+            "max_tokens": 24,
+            "temperature": 0.9,
+            "seed": 21,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "extra_body": {"return_tokens_as_token_ids": True, "ignore_eos": True},
+        },
+    ),
     "tool-required": (
         "chat",
         {
@@ -288,4 +302,7 @@ def check_valid(name: str, outcomes: list[Outcome]) -> None:
             assert o.text.startswith(SAYING) and len(o.text) > len(SAYING), o.text
         if name == "guided-choice":
             assert o.text in ("absolutely yes", "certainly not"), o.text
+        if name == "chat-token-ids":
+            names = [t for t, _, tops in o.logprobs for t in (t, *(a for a, _ in tops))]
+            assert all(n.startswith("token_id:") and n[9:].isdigit() for n in names), names
         assert o.logprobs, "every case asks for logprobs"

@@ -1,5 +1,6 @@
 """A decode worker SIGKILLed mid-stream while serving requests that use logprobs, penalties,
-min_tokens, logit_bias, echo (completion and chat), n > 1, structured output and a forced tool call: the migrated
+min_tokens, logit_bias, echo (completion and chat), n > 1, structured output, logprob tokens
+named by id (`return_tokens_as_token_ids`) and a forced tool call: the migrated
 stream's text, tool call and logprobs equal the fault-free run's bit for bit, and JSON or a
 call's arguments cut mid-object by the kill are still the same valid JSON (the grammar state
 is rebuilt from the tokens, and the sampler keeps the request's seed)."""
@@ -22,10 +23,10 @@ from worker_proc import WorkerHandle, launch_worker, router_process, wait_ready,
 def cluster(
     tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, list[WorkerHandle]]]:
-    """One prefill and six `both` workers: each case kills one decode worker."""
+    """One prefill worker and a `both` worker per case and one more: each case kills one."""
     workdir = tmp_path_factory.mktemp("feature-migration")
     with worker_processes() as handles:
-        for role in ("prefill", "both", "both", "both", "both", "both", "both"):
+        for role in ("prefill", *["both"] * (len(KILL_AT) + 1)):
             handles.append(launch_worker(role, workdir, model=tiny_model_path,
                                          extra_args=("--kv-cache-bytes", str(32 << 20), "--batch-invariant")))  # fmt: skip
         for handle in handles:
@@ -54,7 +55,7 @@ def migrations(url: str) -> float:
 # its ~35-token `<tool_call>` header and name, inside the arguments.
 # Chat echo (vLLM's test_chat_echo.py): chunk 0 is the role, chunk 1 the echoed message.
 KILL_AT = {"json-schema": 6, "greedy-penalties-echo": 6, "seeded-n2-minp": 6, "tool-required": 42,
-           "chat-echo-continue": 6}  # fmt: skip
+           "chat-echo-continue": 6, "chat-token-ids": 6}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(KILL_AT))
