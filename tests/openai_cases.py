@@ -66,6 +66,8 @@ EARLIER_CALL = {
 }
 
 # (kind, keyword arguments of client.<kind>.create); extra_body carries vLLM's extensions.
+# Tokens whose logprobs the `chat-token-ids` case asks for at every position.
+LOGPROB_TOKEN_IDS = [100, 1000, 2000]
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "greedy-penalties-echo": (
         "completion",
@@ -145,7 +147,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     # vLLM test_return_tokens_as_ids.py: every logprob token and alternative is named
-    # `token_id:N` (an emoji the tokenizer splits into byte tokens included).
+    # `token_id:N` (an emoji the tokenizer splits into byte tokens included); with vLLM's
+    # `logprob_token_ids` the alternatives are the chosen token and those.
     "chat-token-ids": (
         "chat",
         {
@@ -155,7 +158,11 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             "seed": 21,
             "logprobs": True,
             "top_logprobs": 2,
-            "extra_body": {"return_tokens_as_token_ids": True, "ignore_eos": True},
+            "extra_body": {
+                "return_tokens_as_token_ids": True,
+                "logprob_token_ids": LOGPROB_TOKEN_IDS,
+                "ignore_eos": True,
+            },
         },
     ),
     "tool-required": (
@@ -305,4 +312,6 @@ def check_valid(name: str, outcomes: list[Outcome]) -> None:
         if name == "chat-token-ids":
             names = [t for t, _, tops in o.logprobs for t in (t, *(a for a, _ in tops))]
             assert all(n.startswith("token_id:") and n[9:].isdigit() for n in names), names
+            asked = {f"token_id:{t}" for t in LOGPROB_TOKEN_IDS}
+            assert all({a for a, _ in tops} == {t} | asked for t, _, tops in o.logprobs), o
         assert o.logprobs, "every case asks for logprobs"

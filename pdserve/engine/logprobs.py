@@ -14,11 +14,17 @@ import torch
 from pdserve.protocol.logprobs import TokenLogprobs
 
 
-def token_logprobs(logits: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
-    """Logprobs of row `logits` ([vocab] float32) for `token_id` and the `num_top` best."""
+def token_logprobs(
+    logits: torch.Tensor, token_id: int, num_top: int, wanted: tuple[int, ...] = ()
+) -> TokenLogprobs:
+    """Logprobs of row `logits` ([vocab] float32) for `token_id` and the `num_top` best; with
+    `wanted`, for `token_id` then those tokens instead (vLLM's `logprob_token_ids`)."""
     lp = torch.log_softmax(logits, dim=-1)
     top: tuple[tuple[int, float], ...] = ()
-    if num_top > 0:
+    if wanted:
+        chosen = [token_id, *(t for t in dict.fromkeys(wanted) if t != token_id)]
+        top = tuple(zip(chosen, lp[chosen].tolist(), strict=True))
+    elif num_top > 0:
         values, ids = torch.topk(lp, min(num_top, lp.numel()))
         top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
     return TokenLogprobs(token_id, float(lp[token_id]), top)

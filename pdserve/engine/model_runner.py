@@ -175,8 +175,10 @@ class ModelRunner:
             raw = logits[row]
             try:
                 token = sample_row(raw, _row(request))
-                wanted = request.sampling_params.logprobs
-                lp = None if wanted is None else token_logprobs(raw, token, wanted)
+                params = request.sampling_params
+                lp = None
+                if params.logprobs is not None:
+                    lp = token_logprobs(raw, token, params.logprobs, params.logprob_token_ids)
             except Exception as exc:
                 # One request's grammar or logits processor must not fail its batch.
                 result.failed[request.request_id] = exc

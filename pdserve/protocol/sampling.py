@@ -92,6 +92,9 @@ class SamplingParams:
     # Return the sampled token's logprob and this many top alternatives per output token
     # (0: the sampled token's only); None: no logprobs.
     logprobs: int | None = None
+    # vLLM's `logprob_token_ids`: with `logprobs`, each output token's alternatives are these
+    # tokens (after the sampled one) instead of the most likely ones.
+    logprob_token_ids: tuple[int, ...] = field(default_factory=tuple)
     # The same for every prompt token after the first (the prefix cache is bypassed, since
     # cached positions have no logits).
     prompt_logprobs: int | None = None
@@ -166,6 +169,13 @@ class SamplingParams:
                 raise SamplingParamsError(
                     f"{name}: must be an integer in [0, {MAX_LOGPROBS}], got {value!r}"
                 )
+        ids = self.logprob_token_ids
+        if ids and self.logprobs is None:
+            raise SamplingParamsError("logprob_token_ids: needs logprobs")
+        if len(ids) > MAX_LOGPROBS or any(t < 0 for t in ids):
+            raise SamplingParamsError(
+                f"logprob_token_ids: at most {MAX_LOGPROBS} token ids, each >= 0; got {list(ids)}"
+            )
 
     @property
     def greedy(self) -> bool:

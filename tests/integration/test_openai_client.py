@@ -46,6 +46,14 @@ def post(url: str, body: object) -> dict[str, object]:
         return data
 
 
+def post_error(url: str, body: object) -> tuple[int, dict[str, object]]:
+    """A request the router must refuse: its status and the error object."""
+    with pytest.raises(urllib.error.HTTPError) as info:
+        post(url, body)
+    error: dict[str, object] = json.loads(info.value.read())["error"]
+    return info.value.code, error
+
+
 def get(url: str) -> dict[str, object]:
     with urllib.request.urlopen(url, timeout=30) as resp:
         data: dict[str, object] = json.loads(resp.read())
@@ -458,6 +466,34 @@ def test_chat_batch_as_vllm_answers(cluster: tuple[str, str]) -> None:
             got.append(texts)
         answers.append(got)
     assert all(a == answers[0] for a in answers), answers
+
+
+def test_chat_batch_logprob_token_ids_as_vllm(cluster: tuple[str, str]) -> None:
+    """vLLM test_batched_chat_completions.py::test_batched_chat_completions_logprob_token_ids
+    on real workers, colocated, disaggregated and re-prefilled (ids within the tiny model's
+    2048-token vocabulary, where vLLM's test names 100, 1000, 5000): the top_logprobs of the
+    answer's token are exactly the sampled token and the named ones; the same on every path.
+    Ids outside the vocabulary, or without logprobs, are a 400 naming the field."""
+    body = {"model": MODEL, "messages": [[{"role": "user", "content": "Hello"}]],
+            "max_tokens": 1, "temperature": 0, "logprobs": True, "top_logprobs": 5,
+            "logprob_token_ids": [100, 1000, 2000], "return_tokens_as_token_ids": True}  # fmt: skip
+    answers = []
+    for url in layouts(cluster):
+        data = post(f"{url}/v1/chat/completions/batch", body)
+        content = data["choices"][0]["logprobs"]["content"]  # type: ignore[index]
+        sampled = content[0]["token"]
+        tops = {entry["token"] for entry in content[0]["top_logprobs"]}
+        assert tops == {"token_id:100", "token_id:1000", "token_id:2000", sampled}, content
+        answers.append(content)
+    assert all(a == answers[0] for a in answers)
+    plain = cluster[0]
+    for change, param in (
+        ({"logprob_token_ids": [2048]}, "logprob_token_ids"),
+        ({"logprobs": False, "top_logprobs": None}, "logprob_token_ids"),
+    ):
+        one = {**body, **change, "messages": body["messages"][0]}  # type: ignore[index]
+        status, error = post_error(f"{plain}/v1/chat/completions", one)
+        assert (status, error["param"]) == (400, param), error
 
 
 def test_return_tokens_as_token_ids_as_vllm(

@@ -84,6 +84,9 @@ class SamplingFields(_Request):
     # that is part of a UTF-8 character stays identifiable); None: the router's
     # --return-tokens-as-token-ids decides (the builder fills it in).
     return_tokens_as_token_ids: bool | None = None
+    # Extension (vLLM's): with logprobs, each token's alternatives are these tokens (and the
+    # chosen one) instead of the most likely ones.
+    logprob_token_ids: list[int] | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     # Extension: token ids that end the output (the token counts, adds no text).

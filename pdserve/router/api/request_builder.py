@@ -108,7 +108,7 @@ class RequestBuilder:
         for p in prompts:
             self._check_context(p, max_tokens, "prompt")
         job = self._job("completion", "cmpl", body, prompts, sampling, best_of,
-                        body.logprobs, body.echo, echo_only)  # fmt: skip
+                        _width(body, body.logprobs), body.echo, echo_only)  # fmt: skip
         job.prompt_logprobs = body.prompt_logprobs
         return job
 
@@ -153,7 +153,9 @@ class RequestBuilder:
         _check_prompt_logprobs(body.prompt_logprobs, body.stream)
         sampling = self._sampling(body, max_tokens, top, grammar, body.prompt_logprobs, limit)
         self._check_context(prompt, max_tokens, "messages", limit)
-        job = self._job("chat", "chatcmpl", body, [prompt], sampling, body.n, top, False, False)
+        job = self._job(
+            "chat", "chatcmpl", body, [prompt], sampling, body.n, _width(body, top), False, False
+        )
         job.request_id = request_id or job.request_id
         job.role = answer_role(body, dicts)
         job.prompt_logprobs = body.prompt_logprobs
@@ -248,6 +250,9 @@ class RequestBuilder:
                 repetition_penalty=model.value("repetition_penalty", sent, body.repetition_penalty),
                 logit_bias=self._logit_bias(body.logit_bias),
                 logprobs=logprobs,
+                logprob_token_ids=tuple(
+                    self._token_ids(body.logprob_token_ids or [], "logprob_token_ids")
+                ),
                 prompt_logprobs=prompt_logprobs,
                 grammar=grammar,
             )
@@ -365,6 +370,14 @@ class RequestBuilder:
             echo=echo,
             echo_only=echo_only,
         )
+
+
+def _width(body: SamplingFields, top: int | None) -> int | None:
+    """How many alternatives a token's logprobs show: `top`, or with `logprob_token_ids` the
+    chosen token and those (None: no logprobs)."""
+    if top is None or not body.logprob_token_ids:
+        return top
+    return len(set(body.logprob_token_ids)) + 1
 
 
 def _check_prompt_logprobs(prompt_logprobs: int | None, stream: bool) -> None:

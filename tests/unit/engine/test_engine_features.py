@@ -16,7 +16,7 @@ from openai_cases import SCHEMA
 from pdserve.config import EngineConfig, ModelLoadConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestDelta
-from pdserve.errors import GrammarError
+from pdserve.errors import GrammarError, SamplingParamsError
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.protocol.sampling import GrammarKind, GrammarSpec, SamplingParams
 
@@ -148,6 +148,30 @@ def test_logprobs_equal_transformers_log_softmax(model: LoadedModel) -> None:
         expected = float(ref[p][ids[p + 1]])
         assert lp.token_id == ids[p + 1]
         assert abs(lp.logprob - expected) <= 1e-4 * abs(expected)
+
+
+def test_logprob_token_ids_give_those_tokens_logprobs(model: LoadedModel) -> None:
+    """vLLM's `logprob_token_ids`: each output token's alternatives are the sampled token,
+    then the named ones (a repeat once), with transformers' log_softmax values."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(model.path), torch_dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    ids = prompt(model, 20, 3)
+    wanted = (100, 7, 1000, 100)
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=4, ignore_eos=True, logprobs=5,
+                            logprob_token_ids=wanted)  # fmt: skip
+    tokens, lps = tokens_and_logprobs(run(engine(model), "x", ids, params))
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids + tokens])).logits[0].float(), dim=-1)
+    for i, lp in enumerate(lps):
+        expected = ref[len(ids) - 1 + i]
+        names = [t for t, _ in lp.top]
+        assert names == [tokens[i], *(t for t in (100, 7, 1000) if t != tokens[i])]
+        for t, value in lp.top:
+            assert abs(value - float(expected[t])) <= 1e-4 * max(1.0, abs(float(expected[t])))
+    with pytest.raises(SamplingParamsError, match="logprob_token_ids: needs logprobs"):
+        SamplingParams(max_tokens=1, logprob_token_ids=(1,))
 
 
 def _reference_penalties(logits: torch.Tensor, prompt_ids: list[int], out: list[int],
