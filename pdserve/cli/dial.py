@@ -17,6 +17,7 @@ from pathlib import Path
 from pdserve.auth.tls import TLSConfig, client_context
 from pdserve.errors import ConfigError
 from pdserve.settings import add_fields, build
+from pdserve.supervise.launcher import default_state_file
 
 
 def add_tls_flags(parser: argparse.ArgumentParser) -> None:
@@ -37,12 +38,12 @@ def recorded_tls(state_file: Path) -> TLSConfig:
         raise ConfigError(f"{state_file}: its recorded TLS files: {exc}") from None
 
 
-def dial_with_tls(args: argparse.Namespace, state_file: Path) -> TLSConfig:
-    """Make this process's urllib calls dial with the flags' TLS, else the recorded one."""
+def dial_with_tls(args: argparse.Namespace, state_file: Path | None = None) -> None:
+    """Make this process's urllib calls dial with the flags' TLS, else the one recorded in
+    `state_file` (default: the running `pdserve up`'s)."""
     given = build(TLSConfig, args, prefix="tls-")
-    config = given if given.enabled else recorded_tls(state_file)
+    config = given if given.enabled else recorded_tls(state_file or default_state_file())
     context = client_context(config)
     if context is not None:
         handler = urllib.request.HTTPSHandler(context=context)
         urllib.request.install_opener(urllib.request.build_opener(handler))
-    return config

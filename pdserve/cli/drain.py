@@ -21,7 +21,6 @@ from pdserve.cli.command import run
 from pdserve.cli.dial import add_tls_flags, dial_with_tls
 from pdserve.errors import ConfigError
 from pdserve.flag_types import positive_float
-from pdserve.supervise.launcher import default_state_file
 
 PATH = "/admin/drain"
 
@@ -48,7 +47,7 @@ def _answers(url: str) -> bool:
 
 def _drain(args: argparse.Namespace) -> int:
     url = args.url.rstrip("/")
-    dial_with_tls(args, default_state_file())
+    dial_with_tls(args)
     secret = load_secret(args.cluster_secret_file)
     if secret is None:
         raise ConfigError(

@@ -384,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _status(args: argparse.Namespace) -> int:
-    dial_with_tls(args, default_state_file())
+    dial_with_tls(args)
     url = find_router_url(args.url)
     status = replace(collect_status(url), processes=read_processes(url))
     print(render_json(status) if args.json else render_table(status))

@@ -33,7 +33,6 @@ from pdserve.cli.status import (
 from pdserve.flag_types import positive_float
 from pdserve.observability import metric_names as m
 from pdserve.observability.exposition import Sample, parse, total
-from pdserve.supervise.launcher import default_state_file
 
 CLEAR = "\x1b[H\x1b[2J"
 
@@ -224,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _top(args: argparse.Namespace) -> int:
-    dial_with_tls(args, default_state_file())
+    dial_with_tls(args)
     return run_top(find_router_url(args.url), args.interval, args.once)
 
 

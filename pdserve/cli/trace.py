@@ -39,9 +39,8 @@ def _trace(args: argparse.Namespace) -> int:
     from pdserve.cli.dial import dial_with_tls
     from pdserve.cli.status import find_router_url
     from pdserve.observability.trace import fetch_timeline, render_waterfall
-    from pdserve.supervise.launcher import default_state_file
 
-    dial_with_tls(args, default_state_file())
+    dial_with_tls(args)
     merged = args.merged or args.plot is not None
     view = fetch_timeline(find_router_url(args.url), args.request_id, workers=merged)
     print(json.dumps(view, indent=2) if args.json else render_waterfall(view))

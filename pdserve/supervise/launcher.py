@@ -308,7 +308,7 @@ class Cluster:
             "router_url": self.router_urls[0],
             "router_urls": self.router_urls,
             "pid": os.getpid(),
-            # The operator commands (`pdserve status`, `top`, `trace`) dial with these.
+            # The operator commands (`pdserve status`, `top`, `trace`, `drain`) dial with these.
             "tls": {k: str(v) for k, v in dataclasses.asdict(self.config.tls).items() if v},
             "children": [dataclasses.asdict(s) for s in self.supervisor.statuses()],
         }
