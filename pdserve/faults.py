@@ -291,7 +291,11 @@ class FaultInjector:
                 return None
         if num_bytes is not None and rule.offset is None and rule.action in _NEEDS_OFFSET:
             rule = dataclasses.replace(rule, offset=rng.randrange(num_bytes) if num_bytes else 0)
-        logger.warning("fault injected at %s hit %d: %s", site.value, hit, rule.spec())
+        # A delay paces rather than breaks (a rule may slow every engine step): its first hit
+        # is a warning, the rest would drown the log.
+        quiet = rule.action is FaultKind.DELAY and self._fired[index] > 1
+        level = logging.DEBUG if quiet else logging.WARNING
+        logger.log(level, "fault injected at %s hit %d: %s", site.value, hit, rule.spec())
         return rule
 
 

@@ -28,7 +28,7 @@ import random
 import tempfile
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
@@ -259,7 +259,7 @@ def report_json(result: AdviseResult) -> dict[str, object]:
             "model": config.model,
             "max_num_batched_tokens": config.max_num_batched_tokens,
             "workload": config.workload.describe(),
-            "arms": [asdict(a) for a in result.arms],
+            "arms": [a.to_dict() for a in result.arms],
             "calibration": None
             if relative is None or result.lone is None
             else {
@@ -275,7 +275,7 @@ def report_json(result: AdviseResult) -> dict[str, object]:
         "results": rows["results"],
         "sustained_rate": advice.sustained,
         "recommendation": {
-            **asdict(advice.arm),
+            **advice.arm.to_dict(),
             "meets_slo": advice.meets_slo,
             "sustained_rate": advice.sustained[advice.arm.name],
         },

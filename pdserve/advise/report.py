@@ -31,7 +31,6 @@ COLOCATED = "colocated"
 class Arm:
     """One way of using the N workers."""
 
-    name: str
     # 0: colocated.
     num_prefill: int
     num_decode: int
@@ -40,14 +39,19 @@ class Arm:
     def split(self) -> bool:
         return self.num_prefill > 0
 
+    @property
+    def name(self) -> str:
+        """The arm's label in reports: `colocated` or `disagg-P:D`."""
+        return f"disagg-{self.num_prefill}:{self.num_decode}" if self.split else COLOCATED
+
+    def to_dict(self) -> dict[str, object]:
+        """The JSON form of the report: the name, then the worker counts."""
+        return {"name": self.name, "num_prefill": self.num_prefill, "num_decode": self.num_decode}
+
 
 def arms_for(num_workers: int) -> list[Arm]:
     """Colocated, then every P:D split of `num_workers`, fewest prefill workers first."""
-    arms = [Arm(COLOCATED, 0, num_workers)]
-    arms += [
-        Arm(f"disagg-{p}:{num_workers - p}", p, num_workers - p) for p in range(1, num_workers)
-    ]
-    return arms
+    return [Arm(p, num_workers - p) for p in range(num_workers)]
 
 
 def sustained_rate(summaries: Sequence[RateSummary], target: float) -> float:

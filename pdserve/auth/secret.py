@@ -93,6 +93,34 @@ def key_of(secret: ClusterSecret | None, label: str) -> bytes | None:
     return None if secret is None else secret.key(label)
 
 
+class ClusterKeys:
+    """The per-use keys of a config's `cluster_secret`, for the router's and the worker's
+    configs alike (each is None under --insecure-no-auth)."""
+
+    __slots__ = ()
+    cluster_secret: ClusterSecret | None
+
+    @property
+    def http_key(self) -> bytes | None:
+        """Key of the worker control calls' signatures."""
+        return key_of(self.cluster_secret, "http")
+
+    @property
+    def reservation_key(self) -> bytes | None:
+        """Key of the reservation signatures the router makes and prefill workers check."""
+        return key_of(self.cluster_secret, "reservation")
+
+    @property
+    def membership_key(self) -> bytes | None:
+        """Key of the MAC every etcd registration carries."""
+        return key_of(self.cluster_secret, "membership")
+
+    @property
+    def kv_key(self) -> bytes | None:
+        """Key of the KV Hello MACs."""
+        return key_of(self.cluster_secret, "kv-hello")
+
+
 def new_secret_text() -> str:
     """A fresh random secret (256 bits as hex)."""
     return secrets.token_hex(32)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import aetcd
@@ -57,7 +58,63 @@ async def _close(client: Any) -> None:
         await asyncio.wait_for(client.close(), CALL_TIMEOUT_S)
 
 
-class EtcdMembership:
+class _EtcdLoop:
+    """A background task that retries one etcd attempt forever, each on a fresh client.
+
+    `_start` waits up to `start_timeout_s` for the attempt's first success (`_ready`).
+    """
+
+    def __init__(
+        self, endpoint: EtcdEndpoint, retry_interval_s: float, start_timeout_s: float
+    ) -> None:
+        self.endpoint = endpoint
+        self._retry_interval_s = retry_interval_s
+        self._start_timeout_s = start_timeout_s
+        self._ready = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def _start(self, loop: Coroutine[Any, Any, None], name: str, not_ready: str) -> None:
+        """Run `loop` in the background; log `not_ready` if it has no success in time."""
+        self._task = asyncio.create_task(loop, name=name)
+        try:
+            await asyncio.wait_for(self._ready.wait(), self._start_timeout_s)
+        except TimeoutError:
+            log.warning(not_ready, self.endpoint, self._start_timeout_s)
+
+    async def _retry_forever(
+        self,
+        attempt: Callable[[Any], Awaitable[bool]],
+        *,
+        retried: tuple[type[Exception], ...],
+        again: str,
+        failed: str,
+    ) -> None:
+        """Run `attempt` again and again; it returns whether to go again without a pause.
+
+        `retried` errors (etcd away) are logged as warnings; any other is a bug, logged with
+        its traceback, and must not silently end the loop either.
+        """
+        while True:
+            client = _client(self.endpoint)
+            try:
+                if await attempt(client):
+                    continue
+            except retried as exc:
+                log.warning(
+                    "membership: %s: %s; %s in %.1f s",
+                    self.endpoint,
+                    exc,
+                    again,
+                    self._retry_interval_s,
+                )
+            except Exception:
+                log.exception(failed, self.endpoint)
+            finally:
+                await _close(client)
+            await asyncio.sleep(self._retry_interval_s)
+
+
+class EtcdMembership(_EtcdLoop):
     """The workers registered under one prefix, kept current by a watch."""
 
     def __init__(
@@ -68,27 +125,19 @@ class EtcdMembership:
         key: bytes | None = None,
     ) -> None:
         """`key`: the cluster's membership key; registrations without its MAC are ignored."""
-        self.endpoint = endpoint
+        super().__init__(endpoint, retry_interval_s, start_timeout_s)
         self._range = workers_prefix(endpoint.prefix).encode()
-        self._retry_interval_s = retry_interval_s
-        self._start_timeout_s = start_timeout_s
         self._table = MemberTable(key)
         self._listener: MembersListener | None = None
-        self._listed = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
 
     async def start(self, listener: MembersListener) -> None:
         """List and watch in the background; wait up to start_timeout_s for the first list."""
         self._listener = listener
-        self._task = asyncio.create_task(self._run(), name="etcd-membership")
-        try:
-            await asyncio.wait_for(self._listed.wait(), self._start_timeout_s)
-        except TimeoutError:
-            log.warning(
-                "membership: %s not reachable in %.0f s; starting with no workers, still trying",
-                self.endpoint,
-                self._start_timeout_s,
-            )
+        await self._start(
+            self._run(),
+            "etcd-membership",
+            "membership: %s not reachable in %.0f s; starting with no workers, still trying",
+        )
 
     def members(self) -> list[Member]:
         """The registered workers, in join order."""
@@ -106,27 +155,20 @@ class EtcdMembership:
         self._task = None
 
     async def _run(self) -> None:
-        while True:
-            client = _client(self.endpoint)
-            try:
-                revision = await self._list(client)
-                watch = await client.watch_prefix(self._range, start_revision=revision + 1)
-                async for event in watch:
-                    self._apply(event)
-                log.warning("membership: watch on %s ended; listing again", self.endpoint)
-            except aetcd.ClientError as exc:
-                log.warning(
-                    "membership: %s: %s; listing again in %.1f s",
-                    self.endpoint,
-                    exc,
-                    self._retry_interval_s,
-                )
-            except Exception:
-                # A bug here must not silently freeze the pool: log it and start over.
-                log.exception("membership: watching %s failed", self.endpoint)
-            finally:
-                await _close(client)
-            await asyncio.sleep(self._retry_interval_s)
+        await self._retry_forever(
+            self._watch,
+            retried=(aetcd.ClientError,),
+            again="listing again",
+            failed="membership: watching %s failed",
+        )
+
+    async def _watch(self, client: Any) -> bool:
+        revision = await self._list(client)
+        watch = await client.watch_prefix(self._range, start_revision=revision + 1)
+        async for event in watch:
+            self._apply(event)
+        log.warning("membership: watch on %s ended; listing again", self.endpoint)
+        return False
 
     async def _list(self, client: Any) -> int:
         listing = await client.get_prefix(self._range)
@@ -134,9 +176,9 @@ class EtcdMembership:
         before = self._table.members()
         for error in self._table.replace(rows):
             log.warning("membership: ignoring %s", error)
-        if not self._listed.is_set() or self._table.members() != before:
+        if not self._ready.is_set() or self._table.members() != before:
             self._notify()
-        self._listed.set()
+        self._ready.set()
         log.info("membership: %d workers under %s", len(rows), self.endpoint)
         return int(listing.header.revision)
 
@@ -158,7 +200,7 @@ class EtcdMembership:
             self._listener(self._table.members())
 
 
-class EtcdRegistration:
+class EtcdRegistration(_EtcdLoop):
     """One worker's key under a kept-alive lease."""
 
     def __init__(
@@ -172,34 +214,25 @@ class EtcdRegistration:
     ) -> None:
         if member.worker_id is None:
             raise MembershipError(f"member {member.url}: a registration needs a worker id")
-        self.endpoint = endpoint
+        super().__init__(endpoint, retry_interval_s, start_timeout_s)
         self.member = member
         self.key = worker_key(endpoint.prefix, member.worker_id).encode()
         self._value = encode_member(member, key)
         self._ttl_s = ttl_s
-        self._retry_interval_s = retry_interval_s
-        self._start_timeout_s = start_timeout_s
-        self._registered = asyncio.Event()
         self._lease_id: int | None = None
-        self._client: Any = None
-        self._task: asyncio.Task[None] | None = None
 
     @property
     def registered(self) -> bool:
         """Whether the key has been put at least once."""
-        return self._registered.is_set()
+        return self._ready.is_set()
 
     async def start(self) -> None:
         """Register in the background; wait up to start_timeout_s for the first success."""
-        self._task = asyncio.create_task(self._run(), name="etcd-registration")
-        try:
-            await asyncio.wait_for(self._registered.wait(), self._start_timeout_s)
-        except TimeoutError:
-            log.warning(
-                "membership: not registered in %s after %.0f s; still trying",
-                self.endpoint,
-                self._start_timeout_s,
-            )
+        await self._start(
+            self._run(),
+            "etcd-registration",
+            "membership: not registered in %s after %.0f s; still trying",
+        )
 
     async def stop(self) -> None:
         """Stop the keep-alive and revoke the lease, which deletes the key at once."""
@@ -217,29 +250,21 @@ class EtcdRegistration:
                 await _close(client)
 
     async def _run(self) -> None:
-        while True:
-            client = _client(self.endpoint)
-            try:
-                if self._lease_id is None:
-                    self._lease_id = await self._register(client)
-                    self._registered.set()
-                await self._keep_alive(client, self._lease_id)
-                # The lease lapsed (etcd unreachable past the TTL): the key is gone with it.
-                self._lease_id = None
-                continue
-            except (aetcd.ClientError, MembershipError) as exc:
-                log.warning(
-                    "membership: %s: %s; retrying in %.1f s",
-                    self.endpoint,
-                    exc,
-                    self._retry_interval_s,
-                )
-            except Exception:
-                # A bug here must not silently end the registration: log it and start over.
-                log.exception("membership: registering in %s failed", self.endpoint)
-            finally:
-                await _close(client)
-            await asyncio.sleep(self._retry_interval_s)
+        await self._retry_forever(
+            self._hold,
+            retried=(aetcd.ClientError, MembershipError),
+            again="retrying",
+            failed="membership: registering in %s failed",
+        )
+
+    async def _hold(self, client: Any) -> bool:
+        if self._lease_id is None:
+            self._lease_id = await self._register(client)
+            self._ready.set()
+        await self._keep_alive(client, self._lease_id)
+        # The lease lapsed (etcd unreachable past the TTL): the key is gone with it.
+        self._lease_id = None
+        return True
 
     async def _register(self, client: Any) -> int:
         lease = await client.lease(self._ttl_s)

@@ -24,13 +24,14 @@ from typing import Any
 
 from pdserve.errors import ModelConfigError, ModelFileMissing, UnsupportedArchitecture
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-# Used when `architectures` is absent (a config saved on its own, without a model class).
+# The model class of each supported `model_type`; the type picks it when `architectures` is
+# absent (a config saved on its own, without a model class).
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
 }
+SUPPORTED_ARCHITECTURES = tuple(_MODEL_TYPES.values())
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 
@@ -87,11 +88,6 @@ class ModelConfig:
     def rope_type(self) -> str:
         """The RoPE variant: "default", "linear" or "llama3"."""
         return "default" if self.rope_scaling is None else self.rope_scaling.rope_type
-
-    @property
-    def num_queries_per_kv(self) -> int:
-        """Query heads per KV head."""
-        return self.num_heads // self.num_kv_heads
 
 
 def load_config(folder: str | Path) -> ModelConfig:

@@ -155,12 +155,17 @@ class WorkerHealth(WireModel):
     steps: StepTotalsModel | None = None
 
 
-class ReserveRequest(WireModel):
-    """Reserve a decode slot and blocks for a prompt whose KV will be transferred in."""
+class PromptRequest(WireModel):
+    """What every request that runs a prompt carries: its id, the prompt and the sampling."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
+
+
+class ReserveRequest(PromptRequest):
+    """Reserve a decode slot and blocks for a prompt whose KV will be transferred in."""
+
     # The reservation (and its blocks) is freed when no KV byte arrives (and no renewal comes)
     # for this long: liveness, not total duration, decides.
     lease_ttl_s: float = Field(default=30.0, gt=0, le=MAX_LEASE_TTL_S)
@@ -245,12 +250,9 @@ class ProbeResult(WireModel):
     downgrade_reason: str | None = None
 
 
-class PrefillRequest(WireModel):
+class PrefillRequest(PromptRequest):
     """Prefill a prompt, return its first token, then push the KV to the reservation."""
 
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: SamplingParams
     # None: prefill only, nothing to transfer (the KV is released at once). Its `decode_url`
     # is told at once (POST /kv_abort) when the send is given up, so its /decode fails now
     # instead of when the reservation's lease ends.
@@ -343,12 +345,9 @@ class DecodeRequest(WireModel):
     checkpoint: CheckpointPlan | None = None
 
 
-class GenerateRequest(WireModel):
+class GenerateRequest(PromptRequest):
     """A whole request on one worker (colocated)."""
 
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: SamplingParams
     # Tokens already sent to the client by a worker that died: generation resumes after them
     # (migration). The stream carries only the tokens that follow.
     output_token_ids: list[int] = Field(default_factory=list)

@@ -20,12 +20,11 @@ import dataclasses
 import json
 import logging
 import os
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
-from aiohttp.typedefs import Middleware
+from aiohttp.typedefs import Handler, Middleware
 
 from pdserve.auth.tls import client_context, http_connector
 from pdserve.clock import Clock, MonotonicClock
@@ -85,7 +84,6 @@ from pdserve.router.workers.pair_probes import PairProbe, PairProber, Verdict
 from pdserve.router.workers.pool import WorkerPool
 
 log = logging.getLogger(__name__)
-_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class _Routes:
@@ -246,7 +244,7 @@ def _middleware(config: RouterConfig, dispatcher: Dispatcher, metrics: RouterMet
     keys = config.access_keys
 
     @web.middleware
-    async def middleware(request: web.Request, handler: _Handler) -> web.StreamResponse:
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         refused = check_access(
             plane_of(request.path),
             keys,

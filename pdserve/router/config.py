@@ -9,8 +9,8 @@ from typing import Literal
 from pdserve.auth.keys import ADMIN_KEY_FILE, API_KEY_FILE, METRICS_KEY_FILE, BearerKey
 from pdserve.auth.secret import (
     SECRET_FILE,
+    ClusterKeys,
     ClusterSecret,
-    key_of,
     require_secret,
 )
 from pdserve.auth.tls import TLSConfig
@@ -22,7 +22,7 @@ from pdserve.protocol.worker_api import MAX_LEASE_TTL_S, MAX_WAIT_S
 from pdserve.router.access import AccessKeys
 from pdserve.router.mode.auto_mode import AutoConfig
 from pdserve.router.mode.interference import SLOConfig
-from pdserve.settings import flag, repeated, setting
+from pdserve.settings import Flag, flag, repeated, setting
 from pdserve.tools.formats import FORMATS
 
 # The path a request takes; fixed when it begins.
@@ -54,6 +54,12 @@ def parse_mode_setting(value: str) -> ModeSetting:
 #   reprefill       a fresh reservation and prefill on another prefill worker
 #   local_prefill   the decode side recomputes the prompt itself (no transfer)
 RECOVERY_STEPS = ("retry_transfer", "reprefill", "local_prefill")
+
+# The --help group of the settings `pdserve up` takes too and forwards to the router it starts
+# (`router/flags.py` selects them by it), declared once for every such field.
+SERVING = "serving (OpenAI API)"
+SERVING_FLAG = Flag(group=SERVING)
+SERVING_SWITCH = Flag(action="store_true", group=SERVING)
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,7 +222,7 @@ def parse_recovery(value: str) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True, slots=True)
-class RouterConfig:
+class RouterConfig(ClusterKeys):
     """The router's settings; validated at construction."""
 
     # Folder with the tokenizer and config.json; its name is the served model name.
@@ -243,9 +249,7 @@ class RouterConfig:
     port: int = setting(0)
     ready_file: Path | None = setting(None, type=Path)
     # Whole request, from received to the last token.
-    request_timeout_s: float = setting(
-        600.0, group="serving (OpenAI API)", help="per-request deadline"
-    )
+    request_timeout_s: float = setting(600.0, SERVING_FLAG, help="per-request deadline")
     health_poll_interval_s: float = 1.0
     # A worker whose health polls have failed this long has its open streams and calls cut, so
     # they fail over now (a paused or hung worker never closes them). 0: never.
@@ -257,9 +261,7 @@ class RouterConfig:
         1000, help="recent requests whose timelines /debug/requests/{id} keeps"
     )
     # How long a decode reservation (and the prefill KV) waits for its transfer.
-    lease_ttl_s: float = setting(
-        30.0, group="serving (OpenAI API)", help="decode reservation / prefill KV lease"
-    )
+    lease_ttl_s: float = setting(30.0, SERVING_FLAG, help="decode reservation / prefill KV lease")
     # Throwaway KV sent over each new prefill/decode pair to attest its rate
     # (`router/workers/pair_probes.py`); 0: no probes.
     kv_probe_mib: int = setting(
@@ -314,42 +316,40 @@ class RouterConfig:
     # Names clients may pass as `model` (the first is listed first); () -> the folder's name.
     served_model_names: tuple[str, ...] = setting(
         (),
+        SERVING_FLAG,
         name="served-model-name",
         nargs="+",
         type=str,
         metavar="NAME",
         to_field=lambda names: tuple(names or ()),
         to_flag=lambda names: None,
-        group="serving (OpenAI API)",
         help="names clients pass as `model` (default: the model folder's name)",
     )
     # Cap on prompt + output tokens; None -> the model's max_position_embeddings.
     max_model_len: int | None = setting(
         None,
+        SERVING_FLAG,
         type=int,
-        group="serving (OpenAI API)",
         help="longest prompt + output in tokens (default: the model's max_position_embeddings)",
     )
     # A Jinja chat template (the text, or a file holding it) replacing the tokenizer's.
     chat_template: str | None = setting(
         None,
+        SERVING_FLAG,
         type=str,
-        group="serving (OpenAI API)",
         help="a Jinja chat template, or a file holding one, replacing the tokenizer's",
     )
     # Drop unknown top-level request fields (logged) instead of answering 400.
     allow_unknown_fields: bool = setting(
         False,
-        action="store_true",
-        group="serving (OpenAI API)",
+        SERVING_SWITCH,
         help="drop (and log) unknown request fields instead of answering 400",
     )
     # Logprob tokens written `token_id:N` unless a request says otherwise, as vLLM's
     # `--return-tokens-as-token-ids` (the request field `return_tokens_as_token_ids` wins).
     return_tokens_as_token_ids: bool = setting(
         False,
-        action="store_true",
-        group="serving (OpenAI API)",
+        SERVING_SWITCH,
         help="write logprob tokens as token_id:N unless a request sets"
         " return_tokens_as_token_ids false, as vLLM",
     )
@@ -357,16 +357,15 @@ class RouterConfig:
     # default as in vLLM (`--enable-tokenizer-info-endpoint`): it exposes the template.
     enable_tokenizer_info_endpoint: bool = setting(
         False,
-        action="store_true",
-        group="serving (OpenAI API)",
+        SERVING_SWITCH,
         help="serve GET /tokenizer_info (the tokenizer's config and chat template), as vLLM",
     )
     # Where unsent sampling fields get their defaults: "auto", the model's
     # generation_config.json (as vLLM's default); "vllm", the API's own defaults.
     generation_config: str = setting(
         "auto",
+        SERVING_FLAG,
         choices=("auto", "vllm"),
-        group="serving (OpenAI API)",
         help="auto: unsent temperature, top_p, top_k, min_p, repetition_penalty and the"
         " max_new_tokens cap come from the model's generation_config.json (as vLLM); vllm:"
         " the API's defaults",
@@ -375,20 +374,19 @@ class RouterConfig:
     # written by the grammar that forces `required` and named choices.
     tool_call_parser: str = setting(
         "hermes",
+        SERVING_FLAG,
         choices=tuple(FORMATS),
-        group="serving (OpenAI API)",
         help="the model's tool-call format: hermes (<tool_call> tags) or llama3_json",
     )
     # Keep /v1/responses answers (the newest `responses_store_size`) for previous_response_id
     # and GET /v1/responses/{id}; off: stateless, as vLLM is by default.
     enable_store: bool = setting(
         False,
-        action="store_true",
-        group="serving (OpenAI API)",
+        SERVING_SWITCH,
         help="store /v1/responses answers in memory for previous_response_id",
     )
     responses_store_size: int = setting(
-        1000, group="serving (OpenAI API)", help="responses kept with --enable-store"
+        1000, SERVING_FLAG, help="responses kept with --enable-store"
     )
     # The latency targets the router measures attainment against (and auto mode keeps).
     slo: SLOConfig = field(default_factory=SLOConfig)
@@ -441,21 +439,6 @@ class RouterConfig:
     def access_keys(self) -> AccessKeys:
         """The keys of the API, admin and metrics planes."""
         return AccessKeys(self.api_key, self.admin_key, self.metrics_key)
-
-    @property
-    def http_key(self) -> bytes | None:
-        """Key of worker control-call signatures."""
-        return key_of(self.cluster_secret, "http")
-
-    @property
-    def membership_key(self) -> bytes | None:
-        """Key of the MAC every etcd registration must carry."""
-        return key_of(self.cluster_secret, "membership")
-
-    @property
-    def reservation_key(self) -> bytes | None:
-        """Key of the reservation signatures prefill workers check."""
-        return key_of(self.cluster_secret, "reservation")
 
     @property
     def initial_mode(self) -> Mode:

@@ -9,13 +9,16 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pdserve.router.config import AffinityConfig, BreakerConfig, RecoveryConfig, RouterConfig
+from pdserve.router.config import (
+    SERVING,
+    AffinityConfig,
+    BreakerConfig,
+    RecoveryConfig,
+    RouterConfig,
+)
 from pdserve.router.mode.auto_mode import AutoConfig
 from pdserve.router.mode.interference import SLOConfig
 from pdserve.settings import add_fields, build
-
-# The --help group of the settings `pdserve up` takes too (declared on RouterConfig's fields).
-SERVING = "serving (OpenAI API)"
 
 
 def add_policy_flags(p: argparse.ArgumentParser, max_model_len: bool = True) -> None:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from pdserve.auth.secret import (
     SECRET_FILE,
+    ClusterKeys,
     ClusterSecret,
-    key_of,
     require_secret,
 )
 from pdserve.auth.tls import TLSConfig
@@ -30,7 +30,7 @@ _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerConfig:
+class WorkerConfig(ClusterKeys):
     """One worker process: its role, its endpoints and its engine."""
 
     # "prefill" serves /prefill, "decode" serves /reserve and /decode, "both" serves all.
@@ -251,26 +251,6 @@ class WorkerConfig:
                 f"advertise-host: needed with --host {self.host}: others cannot reach a"
                 " wildcard address"
             )
-
-    @property
-    def http_key(self) -> bytes | None:
-        """Key of control-call signatures (None: --insecure-no-auth)."""
-        return key_of(self.cluster_secret, "http")
-
-    @property
-    def reservation_key(self) -> bytes | None:
-        """Key of the router's reservation signatures."""
-        return key_of(self.cluster_secret, "reservation")
-
-    @property
-    def membership_key(self) -> bytes | None:
-        """Key of the MAC on this worker's etcd registration."""
-        return key_of(self.cluster_secret, "membership")
-
-    @property
-    def kv_key(self) -> bytes | None:
-        """Key of the KV Hello MACs."""
-        return key_of(self.cluster_secret, "kv-hello")
 
     @property
     def advertised_host(self) -> str:

@@ -4,6 +4,7 @@ determinism, and the control-path actions of `perform`."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 from hypothesis import given
@@ -218,6 +219,23 @@ def test_a_drawn_offset_is_seeded_and_in_range() -> None:
     fixed = FaultInjector(parse_rules(["transfer.send:truncate:offset=7"]))
     assert getattr(fixed.fire(SEND, 100), "offset", None) == 7
     assert getattr(FaultInjector(plan).fire(SEND), "offset", "") is None  # no size: no draw
+
+
+def test_a_repeating_delay_warns_once_and_a_repeating_drop_every_time(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    step = FaultSite.WORKER_ENGINE_STEP
+    pacing = FaultInjector([parse_rule("worker.engine_step:delay:times=0,delay_s=0.005")])
+    dropping = FaultInjector([parse_rule("transfer.send:drop:times=0")])
+    with caplog.at_level(logging.DEBUG, logger="pdserve.faults"):
+        assert fires(pacing, step, 4) == [0, 1, 2, 3]
+        assert fires(dropping, SEND, 3) == [0, 1, 2]
+    levels = [(r.getMessage().split(" hit")[0], r.levelno) for r in caplog.records]
+    assert levels == [
+        ("fault injected at worker.engine_step", logging.WARNING),
+        *[("fault injected at worker.engine_step", logging.DEBUG)] * 3,
+        *[("fault injected at transfer.send", logging.WARNING)] * 3,
+    ]
 
 
 def test_reset_replaces_the_plan_and_the_counters() -> None:

@@ -329,13 +329,20 @@ class CompletionChoice(BaseModel):
     )
 
 
-class CompletionResponse(BaseModel):
-    """A completion, or (object unchanged, as OpenAI does) one chunk of a streamed one."""
+class _Answer(BaseModel):
+    """What every completion, chat completion and chunk starts with."""
 
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    # Each answer narrows this to its own literal (the field keeps its place, second).
+    object: str
     created: int
     model: str
+
+
+class CompletionResponse(_Answer):
+    """A completion, or (object unchanged, as OpenAI does) one chunk of a streamed one."""
+
+    object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: Usage | None = None
 
@@ -380,23 +387,26 @@ class ToolCallDeltaOut(BaseModel):
     function: FunctionDeltaOut
 
 
-class ChatChoice(BaseModel):
-    """A choice of a whole chat completion."""
+class _ChatChoiceFields(BaseModel):
+    """What a chat choice carries, whole or streamed, besides its message or delta."""
 
     index: int = 0
-    message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    # Only with `return_token_ids`: the tokens this choice (or chunk) adds.
     token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatChoice(_ChatChoiceFields):
+    """A choice of a whole chat completion."""
+
+    message: ChatMessageOut
+
+
+class ChatCompletionResponse(_Answer):
     """A whole chat completion."""
 
-    id: str
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
     usage: Usage
     # Only with `return_token_ids` (as vLLM): the prompt the chat template made.
@@ -416,23 +426,16 @@ class ChatDelta(BaseModel):
     tool_calls: list[ToolCallDeltaOut] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(_ChatChoiceFields):
     """A choice of one streamed chat chunk."""
 
-    index: int = 0
     delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_Answer):
     """One streamed chat chunk; the usage chunk has no choices."""
 
-    id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     # Only with `return_token_ids`, on the stream's first chunk (as vLLM): the prompt.

@@ -26,16 +26,15 @@ from pdserve.errors import (
     GrammarError,
     GrammarUnavailable,
     InvalidRequest,
-    ModelConfigError,
     SamplingParamsError,
 )
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.protocol.sampling import MAX_LOGPROBS, GrammarKind, GrammarSpec, SamplingParams
 from pdserve.router.api import field_policy
+from pdserve.router.api.chat_prompt import message_dicts, render_chat_prompt
 from pdserve.router.api.json_body import validate
 from pdserve.router.api.openai_models import (
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     SamplingFields,
 )
@@ -43,7 +42,6 @@ from pdserve.router.api.responses import Job, PromptInput
 from pdserve.router.api.sampling_defaults import SamplingDefaults
 from pdserve.router.api.tool_request import ToolGrammars, tool_request
 from pdserve.tools.formats import HERMES, ToolFormat
-from pdserve.tools.messages import template_messages
 
 # Choices one request may ask for (n, or best_of), and prompts one request may carry.
 MAX_CHOICES = 64
@@ -118,22 +116,16 @@ class RequestBuilder:
         tools = tool_request(body)
         answer = self._grammar(body)
         grammar = self._tool_grammars.check(tools, answer) if tools is not None else answer
-        if body.continue_final_message and body.add_generation_prompt:
-            raise InvalidRequest(
-                "continue_final_message: cannot be true with add_generation_prompt (set it"
-                " false): the final message is either continued or answered",
-                "continue_final_message",
-            )
         dicts = message_dicts(body.messages)
-        try:
-            ids = self._tokenizer.encode_chat(
-                template_messages(dicts),
-                body.add_generation_prompt,
-                tools=[t.template_form() for t in tools.tools] if tools is not None else None,
-                continue_final_message=body.continue_final_message,
-            )
-        except ModelConfigError as exc:
-            raise InvalidRequest(f"messages: {exc}", "messages") from exc
+        text = render_chat_prompt(
+            self._tokenizer,
+            dicts,
+            tools.tools if tools is not None else None,
+            body.add_generation_prompt,
+            body.continue_final_message,
+        )
+        # The template writes its own special tokens.
+        ids = self._tokenizer.encode(text, add_special_tokens=False)
         prompt = PromptInput(ids, "")
         # OpenAI's default for chat is "until the context is full".
         default = max(self._config.max_model_len - len(ids), 1)
@@ -433,37 +425,6 @@ def _chat_echo(body: ChatCompletionRequest, messages: Sequence[dict[str, Any]]) 
         if last.get("role") == answer_role(body, messages) and isinstance(content, str)
         else ""
     )
-
-
-def message_dicts(chat: Sequence[ChatMessage]) -> list[dict[str, Any]]:
-    """The chat's messages as plain dicts, text parts joined; other part types refused."""
-    messages: list[dict[str, Any]] = []
-    for i, m in enumerate(chat):
-        for j, part in enumerate(m.content if isinstance(m.content, list) else []):
-            if part.type != "text" or part.text is None:
-                raise InvalidRequest(
-                    f"messages[{i}].content[{j}]: content part type {part.type!r} is not"
-                    " supported (text parts only)",
-                    "messages",
-                )
-        if m.tool_calls is not None and m.role != "assistant":
-            raise InvalidRequest(
-                f"messages[{i}].tool_calls: only assistant messages carry tool calls", "messages"
-            )
-        if m.tool_call_id is not None and m.role != "tool":
-            raise InvalidRequest(
-                f"messages[{i}].tool_call_id: only tool messages answer a call", "messages"
-            )
-        message: dict[str, Any] = {**(m.model_extra or {}), "role": m.role,
-                                   "content": m.text() or ""}  # fmt: skip
-        if m.name is not None:
-            message["name"] = m.name
-        if m.tool_calls:
-            message["tool_calls"] = [call.model_dump() for call in m.tool_calls]
-        if m.tool_call_id is not None:
-            message["tool_call_id"] = m.tool_call_id
-        messages.append(message)
-    return messages
 
 
 def _or(value: int | None, default: int) -> int:

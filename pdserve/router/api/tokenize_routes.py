@@ -19,13 +19,12 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdserve.errors import InvalidRequest, ModelConfigError
+from pdserve.errors import InvalidRequest
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.router.api.chat_prompt import message_dicts, render_chat_prompt
 from pdserve.router.api.json_body import read_object, validate
 from pdserve.router.api.openai_models import ChatMessage, ToolDefinition
-from pdserve.router.api.request_builder import message_dicts
 from pdserve.router.api.tool_request import function_tools
-from pdserve.tools.messages import template_messages
 
 
 class _Body(BaseModel):
@@ -99,20 +98,13 @@ class TokenizeApi:
             raise InvalidRequest("prompt: give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
             # The prompt /v1/chat/completions would build: tool calls, results and tools too.
-            if body.continue_final_message and body.add_generation_prompt:
-                raise InvalidRequest(
-                    "continue_final_message: cannot be true with add_generation_prompt (set it"
-                    " false): the final message is either continued or answered",
-                    "continue_final_message",
-                )
-            messages = template_messages(message_dicts(body.messages))
-            tools = [t.template_form() for t in function_tools(body.tools or [])]
-            try:
-                text = self._tokenizer.render_chat(
-                    messages, body.add_generation_prompt, tools, body.continue_final_message
-                )
-            except ModelConfigError as exc:
-                raise InvalidRequest(f"messages: {exc}", "messages") from exc
+            text = render_chat_prompt(
+                self._tokenizer,
+                message_dicts(body.messages),
+                function_tools(body.tools or []),
+                body.add_generation_prompt,
+                body.continue_final_message,
+            )
             # The template writes its own special tokens (as vLLM's default for messages).
             ids = self._tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
         else:

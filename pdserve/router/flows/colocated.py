@@ -139,8 +139,7 @@ class ColocatedFlow:
                                 )
                             if event.finished:
                                 settled = True
-                                progress.finished(timeline, event.finish_reason or "")
-                                yield TokenChunk.of_event(event, event.finish_reason or "stop")
+                                yield progress.finished_by_worker(timeline, event)
                                 return
                             yield TokenChunk.of_event(event)
                             event = await anext(events, None)

@@ -337,8 +337,7 @@ class DisaggFlow:
                         run.sent.extend(event.token_ids)
                         if event.finished:
                             run.leg = None  # finished: the worker freed everything itself
-                            progress.finished(timeline, event.finish_reason or "")
-                            yield TokenChunk.of_event(event, event.finish_reason or "stop")
+                            yield progress.finished_by_worker(timeline, event)
                             return
                         if event.token_ids:
                             yield TokenChunk.of_event(event)
@@ -440,8 +439,7 @@ class DisaggFlow:
                         self._pin(run, url)
                         if event.finished:
                             finished = True
-                            progress.finished(timeline, event.finish_reason or "")
-                            yield TokenChunk.of_event(event, event.finish_reason or "stop")
+                            yield progress.finished_by_worker(timeline, event)
                             return
                         yield TokenChunk.of_event(event)
         except RouterError as exc:

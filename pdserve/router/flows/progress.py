@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pdserve.protocol.request_state import Reason, RequestTimeline
 from pdserve.protocol.request_state import RequestState as S
+from pdserve.protocol.worker_api import TokenEvent
+from pdserve.router.flows.flow import TokenChunk
 
 
 def routed(timeline: RequestTimeline, detail: str) -> None:
@@ -50,6 +52,13 @@ def decoding(timeline: RequestTimeline, detail: str = "") -> None:
 def finished(timeline: RequestTimeline, reason: str) -> None:
     """The request is complete (the worker's finish reason, or the router's own)."""
     timeline.advance(S.FINISHED, reason)
+
+
+def finished_by_worker(timeline: RequestTimeline, event: TokenEvent) -> TokenChunk:
+    """The worker's last stream line: the request finishes with the worker's reason, and the
+    client's last chunk carries it ("stop" where the worker gave none)."""
+    finished(timeline, event.finish_reason or "")
+    return TokenChunk.of_event(event, event.finish_reason or "stop")
 
 
 def retrying(timeline: RequestTimeline, reason: Reason, detail: str = "") -> None:

@@ -32,6 +32,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from pdserve.auth.signing import CallVerifier
 from pdserve.engine.engine import Engine
@@ -70,7 +71,7 @@ from pdserve.worker.config import WorkerConfig
 from pdserve.worker.engine_loop import EngineInfo, EngineLoop
 from pdserve.worker.http.auth_middleware import auth_middleware
 from pdserve.worker.http.bodies import json_body, parse_body
-from pdserve.worker.http.error_status import Handler, error_middleware
+from pdserve.worker.http.error_status import error_middleware
 from pdserve.worker.http.observe_routes import ObserveRoutes
 from pdserve.worker.http.prefill import Prefills
 from pdserve.worker.http.token_stream import TokenStreamer, end_stream

@@ -13,10 +13,9 @@ It knows aiohttp and the signing check; not the endpoints behind it.
 from __future__ import annotations
 
 from aiohttp import web
-from aiohttp.typedefs import Middleware
+from aiohttp.typedefs import Handler, Middleware
 
 from pdserve.auth.signing import AUTH_HEADER, TARGET_HEADER, CallVerifier
-from pdserve.worker.http.error_status import Handler
 
 OPEN: frozenset[tuple[str, str]] = frozenset({("GET", "/health"), ("GET", "/metrics")})
 

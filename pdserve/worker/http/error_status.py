@@ -10,11 +10,10 @@ It knows aiohttp and the protocol's `ErrorBody`; not engines or transfers.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
 
 import pydantic
 from aiohttp import web
-from aiohttp.typedefs import Middleware
+from aiohttp.typedefs import Handler, Middleware
 
 from pdserve.errors import (
     CheckpointRefused,
@@ -40,8 +39,6 @@ from pdserve.errors import (
 from pdserve.protocol.worker_api import ErrorBody
 
 logger = logging.getLogger(__name__)
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 # Checked in order: the first class the error is an instance of decides the status.

@@ -152,7 +152,7 @@ def test_a_trace_workload_draws_lengths_from_its_lines_and_respelling_keeps_them
 
 def test_arms_are_colocated_then_every_split() -> None:
     assert [a.name for a in arms_for(3)] == ["colocated", "disagg-1:2", "disagg-2:1"]
-    assert arms_for(2)[1] == Arm("disagg-1:1", 1, 1)
+    assert arms_for(2)[1] == Arm(1, 1)
 
 
 def _summary(mode: str, rate: float, attainment: float, goodput: float) -> RateSummary:

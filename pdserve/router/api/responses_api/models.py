@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
+
+from pdserve.router.api.openai_models import FunctionDefinition, JsonSchemaFormat
 
 
 class _Strict(BaseModel):
@@ -22,50 +24,48 @@ class InputText(_Strict):
     logprobs: list[Any] | None = None
 
 
-class MessageItem(_Strict):
+class _Item(_Strict):
+    """What every input item may carry."""
+
+    # Set on items a client sends back from an earlier response; nothing to render.
+    id: str | None = None
+    status: str | None = None
+
+
+class MessageItem(_Item):
     """A message of the conversation."""
 
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[InputText]
-    # Set on messages a client sends back from an earlier response.
-    id: str | None = None
-    status: str | None = None
+    # Sent back on assistant messages too; nothing to render.
     phase: str | None = None
 
 
-class FunctionCallItem(_Strict):
+class FunctionCallItem(_Item):
     """A function call the model made earlier (sent back with its result)."""
 
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
-    id: str | None = None
-    status: str | None = None
 
 
-class FunctionCallOutputItem(_Strict):
+class FunctionCallOutputItem(_Item):
     """The result of a function call, for the model to read."""
 
     type: Literal["function_call_output"]
     call_id: str
     output: str
-    id: str | None = None
-    status: str | None = None
 
 
 InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
 
 
-class FunctionTool(_Strict):
-    """A function tool (the Responses form: name and schema at the top level)."""
+class FunctionTool(FunctionDefinition):
+    """A function tool (the Responses form: the chat definition's fields at the top level)."""
 
     type: Literal["function"]
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
 class NamedFunction(_Strict):
@@ -75,14 +75,11 @@ class NamedFunction(_Strict):
     name: str
 
 
-class TextFormat(_Strict):
-    """`text.format`: plain text, any JSON object, or JSON matching a schema."""
+class TextFormat(JsonSchemaFormat):
+    """`text.format`: plain text, any JSON object, or JSON matching a schema (the chat
+    `json_schema` fields at the top level)."""
 
     type: Literal["text", "json_object", "json_schema"]
-    name: str | None = None
-    description: str | None = None
-    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
 
 
 class TextConfig(_Strict):
