@@ -64,6 +64,7 @@ field, the worker, the frame.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Protocol
 
 
@@ -71,6 +72,10 @@ class PdserveError(Exception):
     """Base class of every error pdserve raises on purpose."""
 
     retryable: bool = False
+
+    def client_message(self) -> str:
+        """The text an API client is shown: the message, less what is internal to the cluster."""
+        return str(self)
 
 
 class PeerCallError(PdserveError):
@@ -279,9 +284,17 @@ class NoCapacity(RouterError):
 
     retryable = True
 
-    def __init__(self, detail: str, retry_after_s: int = 1) -> None:
-        super().__init__(f"no capacity: {detail}")
+    def __init__(self, detail: str, retry_after_s: int = 1, tried: Collection[str] = ()) -> None:
+        suffix = f" (tried {sorted(tried)})" if tried else ""
+        super().__init__(f"no capacity: {detail}{suffix}")
+        self.detail = detail
         self.retry_after_s = retry_after_s
+        self.num_tried = len(tried)
+
+    def client_message(self) -> str:
+        # The workers tried are counted, not named: their addresses stay inside the cluster.
+        suffix = f" ({self.num_tried} workers tried)" if self.num_tried else ""
+        return f"no capacity: {self.detail}{suffix}"
 
 
 class WorkerUnreachable(RouterError):
@@ -292,6 +305,12 @@ class WorkerUnreachable(RouterError):
     def __init__(self, url: str, detail: str) -> None:
         super().__init__(f"worker {url}: unreachable: {detail}")
         self.url = url
+        self.detail = detail
+
+    def client_message(self) -> str:
+        # Worker addresses stay inside the cluster; the router's log and the request's
+        # timeline (/debug/requests/{id}) name the worker for an operator.
+        return f"a worker did not answer: {self.detail}"
 
 
 class WorkerCallError(RouterError):
@@ -304,6 +323,9 @@ class WorkerCallError(RouterError):
         self.body = body
         # 503 (no capacity) is worth trying elsewhere whatever the body says.
         self.retryable = body.retryable or status == 503
+
+    def client_message(self) -> str:
+        return f"a worker answered HTTP {self.status}: {self.body.type}: {self.body.error}"
 
 
 class InvalidRequest(RouterError):

@@ -265,6 +265,11 @@ def _middleware(config: RouterConfig, dispatcher: Dispatcher, metrics: RouterMet
             reply = error_reply(exc, config.request_timeout_s)
             if reply.status == 500:
                 log.exception("unhandled error on %s %s", request.method, request.path)
+            elif reply.status > 500:
+                # The client's text leaves the worker's address out; the log keeps it.
+                log.warning(
+                    "%s %s answered %d: %s", request.method, request.path, reply.status, exc
+                )
             if isinstance(exc, InvalidRequest):
                 metrics.count_request(dispatcher.mode, "client_error")
             return _error(reply.status, reply.message, reply.type, **reply.extra)
@@ -290,15 +295,16 @@ def error_reply(exc: BaseException, request_timeout_s: float) -> ErrorReply:
         extra: dict[str, str | None] = {"param": exc.param, "code": exc.code}
         return ErrorReply(400, exc.message, "invalid_request_error", extra)
     if isinstance(exc, NoCapacity):
-        return ErrorReply(503, str(exc), "server_error", {"retry_after": str(exc.retry_after_s)})
+        retry_after: dict[str, str | None] = {"retry_after": str(exc.retry_after_s)}
+        return ErrorReply(503, exc.client_message(), "server_error", retry_after)
     if isinstance(exc, WorkerCallError):
         if exc.status == 400:
             return ErrorReply(400, exc.body.error, "invalid_request_error", {"code": exc.body.type})
         if exc.body.type == "DeadlineExceeded":
-            return ErrorReply(504, str(exc), "timeout", {})
-        return ErrorReply(503, str(exc), "server_error", {"retry_after": "1"})
+            return ErrorReply(504, exc.client_message(), "timeout", {})
+        return ErrorReply(503, exc.client_message(), "server_error", {"retry_after": "1"})
     if isinstance(exc, WorkerUnreachable):
-        return ErrorReply(503, str(exc), "server_error", {"retry_after": "1"})
+        return ErrorReply(503, exc.client_message(), "server_error", {"retry_after": "1"})
     if isinstance(exc, TimeoutError):
         return ErrorReply(504, f"request timed out after {request_timeout_s} s", "timeout", {})
     return ErrorReply(500, "internal router error (see the router log)", "server_error", {})

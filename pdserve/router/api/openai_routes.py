@@ -213,7 +213,7 @@ class OpenAIApi:
         except PdserveError as exc:
             # Headers are out: the failure becomes the stream's last event, never a status.
             status = "no_capacity" if isinstance(exc, NoCapacity) else "error"
-            for event in render.failed(str(exc), "server_error"):
+            for event in render.failed(exc.client_message(), "server_error"):
                 await resp.write(event)
         except (ConnectionResetError, asyncio.CancelledError):
             raise

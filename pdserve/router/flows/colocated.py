@@ -90,14 +90,13 @@ class ColocatedFlow:
         while True:
             ranked = self._affinity.rank_colocated(self._pool.snapshot(), query, exclude=tried)
             if not ranked:
-                detail = (
-                    f"no colocated (role both) worker accepted {request.request_id}"
-                    f" (tried {sorted(tried)})"
-                )
+                detail = f"no colocated (role both) worker accepted {request.request_id}"
                 if await self._wait(detail, min(queue_deadline, request.deadline)):
                     tried.clear()
                     continue
-                exc = NoCapacity(f"{detail}; waited {self._queue_timeout_s} s in the queue")
+                exc = NoCapacity(
+                    f"{detail}; waited {self._queue_timeout_s} s in the queue", tried=tried
+                )
                 progress.failed(timeline, str(exc))
                 raise exc
             url = ranked[0].url

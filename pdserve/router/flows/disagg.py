@@ -391,8 +391,8 @@ class DisaggFlow:
             candidates.insert(0, prefer)
         if not candidates:
             raise NoCapacity(
-                f"{label} of {request.request_id}: no decode worker left"
-                f" (failed {sorted(run.failed_decode)})"
+                f"{label} of {request.request_id}: no decode worker left",
+                tried=run.failed_decode,
             )
         url = candidates[0]
         run.decode_url, run.prefill_url = url, None

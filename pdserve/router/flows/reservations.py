@@ -84,12 +84,9 @@ class Reserver:
         leg, _, tried = await self._round(request, query, rid, skip_prefill)
         if leg is not None:
             return leg
-        detail = (
-            f"no decode worker with a compatible prefill worker accepted {rid}"
-            f" (tried {sorted(tried)})"
-        )
+        detail = f"no decode worker with a compatible prefill worker accepted {rid}"
         if self._queue_timeout_s <= 0:
-            raise NoCapacity(detail)
+            raise NoCapacity(detail, tried=tried)
         # Wait in line, whether the workers refused for room or none is up or reachable (a
         # partition, a restart): room that frees and a worker that answers again both wake
         # the queue, so the request is served as soon as either happens, within its time.
@@ -101,7 +98,7 @@ class Reserver:
                     await waiter.next_chance(deadline)
                 except TimeoutError:
                     raise NoCapacity(
-                        f"{detail}; waited {self._queue_timeout_s} s in the queue"
+                        f"{detail}; waited {self._queue_timeout_s} s in the queue", tried=tried
                     ) from None
                 leg, _, tried = await self._round(request, query, rid, skip_prefill)
                 if leg is not None:

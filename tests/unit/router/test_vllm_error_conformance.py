@@ -7,8 +7,8 @@ worker sends when its engine fails a request.
 
 Deliberate differences (README, "The OpenAI API"): an engine failure is a 503 with Retry-After,
 never vLLM's 500 (a 500 is a router bug; a worker fault is worth a retry, and the router has
-already tried what its recovery table allows), and its message names the failing worker and
-error type where vLLM writes "Internal server error"; content parts other than text are a 400
+already tried what its recovery table allows), and its message names the engine's error
+type where vLLM writes "Internal server error" (never a worker's address); content parts other than text are a 400
 naming `messages` where vLLM takes them (a multimodal model) or logs a warning (a system
 message): pdserve serves text models, and dropping an image would answer another question.
 """
@@ -50,6 +50,12 @@ def assert_released(fakes: list[Any]) -> None:
     assert all(not f.reserved and f.num_active == 0 for f in fakes), fakes
 
 
+def assert_internal_addresses_kept(fakes: list[Any], message: str) -> None:
+    """A client's error text names no worker address (they stay inside the cluster)."""
+    for fake in fakes:
+        assert fake.url.split("://")[1] not in message, message
+
+
 @MODES
 @ENDPOINTS
 def test_engine_error_not_streamed(
@@ -71,6 +77,7 @@ def test_engine_error_not_streamed(
             assert set(data["error"]) == {"message", "type", "param", "code"}
             if mode == "colocated":  # disaggregated: the migration that then found no worker
                 assert "EngineError: engine step failed" in data["error"]["message"], data
+            assert_internal_addresses_kept(fakes, data["error"]["message"])
             assert_released(fakes)
 
     run(run_case)
@@ -101,6 +108,7 @@ def test_engine_error_mid_stream(
             errors = [c["error"] for c in decoded if "error" in c]
             assert len(errors) == 1 and decoded[-1].get("error") == errors[0], decoded
             assert errors[0]["type"] == "server_error" and errors[0]["message"], errors
+            assert_internal_addresses_kept(fakes, errors[0]["message"])
             texts = [
                 ch.get("text") or (ch.get("delta") or {}).get("content") or ""
                 for c in decoded[:-1]
