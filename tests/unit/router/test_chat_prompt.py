@@ -57,3 +57,34 @@ def test_a_template_that_cannot_render_is_a_400_naming_messages(
     with pytest.raises(InvalidRequest, match="only user turns") as info:
         render_chat_prompt(Tokenizer(folder), message_dicts(CHAT), None, True, False)
     assert info.value.param == "messages"
+
+
+def with_template(tiny_model_path: Path, tmp_path: Path, template: str) -> Path:
+    """A copy of the tiny model whose chat template is `template`."""
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_path, folder)
+    config = folder / "tokenizer_config.json"
+    data = json.loads(config.read_text())
+    data["chat_template"] = template
+    config.write_text(json.dumps(data))
+    return folder
+
+
+# As Llama 3.1's template: tool instructions whenever `tools` is given, an empty list too.
+TOOLS_NOT_NONE = (
+    "{% if tools is defined and tools is not none %}TOOLS{{ tools | length }}\n{% endif %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+)
+
+
+def test_no_tools_reach_the_template_as_none_however_given(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """An empty tools list renders as no tools at all (the tokenizer leaves `tools` out), so
+    /tokenize (which always passes a list) and a chat without tools give one prompt."""
+    tok = Tokenizer(with_template(tiny_model_path, tmp_path, TOOLS_NOT_NONE))
+    none = render_chat_prompt(tok, message_dicts(CHAT), None, False, False)
+    empty = render_chat_prompt(tok, message_dicts(CHAT), (), False, False)
+    assert none == empty == "user: Tell me a story\nassistant: Once upon a\n"
+    tool = FunctionTool(name="get_weather", description="the weather", parameters={})
+    assert render_chat_prompt(tok, message_dicts(CHAT), (tool,), False, False).startswith("TOOLS1")
