@@ -34,6 +34,7 @@ import os
 import random
 import signal
 import threading
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from typing import NamedTuple, NoReturn
@@ -234,6 +235,11 @@ class Injection(NamedTuple):
     action: FaultKind
 
 
+# Injections a plan keeps a record of, the latest: a rule that repeats forever (a delay
+# pacing every engine step) would otherwise grow the record for the life of the process.
+RECORD_LIMIT = 1000
+
+
 class FaultInjector:
     """A process's fault plan: counts hits per site and decides which fire.
 
@@ -244,7 +250,9 @@ class FaultInjector:
         self._lock = threading.Lock()
         self.rules: tuple[FaultRule, ...] = ()
         self.seed = seed
-        self.injected: list[Injection] = []
+        self._injected: deque[Injection] = deque(maxlen=RECORD_LIMIT)
+        # Every injection since the plan was set; `injected` lists the latest RECORD_LIMIT.
+        self.num_injected = 0
         self._hits: dict[FaultSite, int] = {}
         self._fired: list[int] = []
         self.reset(rules, seed)
@@ -255,9 +263,16 @@ class FaultInjector:
         with self._lock:
             self.rules = rules
             self.seed = seed
-            self.injected = []
+            self._injected.clear()
+            self.num_injected = 0
             self._hits = {}
             self._fired = [0] * len(rules)
+
+    @property
+    def injected(self) -> list[Injection]:
+        """The latest injections (at most RECORD_LIMIT), oldest first."""
+        with self._lock:
+            return list(self._injected)
 
     @property
     def hits(self) -> dict[FaultSite, int]:
@@ -285,7 +300,8 @@ class FaultInjector:
                 if rng.random() >= rule.probability:
                     continue
                 self._fired[index] += 1
-                self.injected.append(Injection(site, hit, rule.action))
+                self._injected.append(Injection(site, hit, rule.action))
+                self.num_injected += 1
                 break
             else:
                 return None

@@ -171,7 +171,7 @@ class Nemesis:
         """Clear a worker's plan; how often it fired ("?" if the worker did not answer)."""
         self._planted.discard(url)
         try:
-            fired = len((await self._client.faults(url)).injected)
+            fired = (await self._client.faults(url)).num_injected
             await self._client.set_faults(url, FaultPlanBody(rules=[]))
             return str(fired)
         except RouterError:

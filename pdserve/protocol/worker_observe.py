@@ -85,6 +85,8 @@ class FaultState(WireModel):
 
     rules: list[str]
     seed: int
+    # The latest injections (at most pdserve.faults.RECORD_LIMIT), and how many there were.
     injected: list[InjectedFaultModel]
+    num_injected: int = 0
     # Hits counted per site since the plan was set.
     hits: dict[str, int]

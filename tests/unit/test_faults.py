@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from pdserve.errors import ConfigError
 from pdserve.faults import (
     DEFAULT_DELAY_S,
+    RECORD_LIMIT,
     FaultClosed,
     FaultInjector,
     FaultKind,
@@ -242,7 +243,12 @@ def test_reset_replaces_the_plan_and_the_counters() -> None:
     injector = FaultInjector(parse_rules(["transfer.send:drop"]))
     assert fires(injector, SEND, 3) == [0]
     injector.reset(parse_rules(["transfer.send:close:after=1"]), seed=9)
-    assert (injector.injected, injector.hits, injector.seed) == ([], {}, 9)
+    assert (injector.injected, injector.num_injected, injector.hits, injector.seed) == (
+        [],
+        0,
+        {},
+        9,
+    )
     assert fires(injector, SEND, 3) == [1]
     injector.reset()
     assert (injector.rules, fires(injector, SEND, 3)) == ((), [])
@@ -271,3 +277,13 @@ def test_perform_delays_closes_and_stalls() -> None:
 
 def test_fault_closed_is_a_connection_error() -> None:
     assert issubclass(FaultClosed, ConnectionResetError)
+
+
+def test_a_rule_that_repeats_forever_keeps_a_bounded_record_and_counts_every_injection() -> None:
+    injector = FaultInjector(parse_rules(["worker.engine_step:delay:times=0"]))
+    for _ in range(RECORD_LIMIT + 5):
+        injector.fire(FaultSite.WORKER_ENGINE_STEP)
+    assert injector.num_injected == RECORD_LIMIT + 5
+    record = injector.injected
+    assert len(record) == RECORD_LIMIT
+    assert (record[0].hit, record[-1].hit) == (5, RECORD_LIMIT + 4)  # the latest kept

@@ -175,6 +175,7 @@ class ObserveRoutes:
                 InjectedFaultModel(site=i.site.value, hit=i.hit, action=i.action.value)
                 for i in faults.injected
             ],
+            num_injected=faults.num_injected,
             hits={site.value: n for site, n in faults.hits.items()},
         )
 
