@@ -234,6 +234,7 @@ def test_a_corrupted_kv_send_is_caught_and_resent(workers: Workers, reference: l
     tokens, state = run(body)
     assert tokens == reference
     assert [(i.site, i.hit, i.action) for i in state.injected] == [("transfer.send", 1, "corrupt")]
+    assert state.num_injected == 1
     assert state.hits["transfer.send"] > 4  # a second attempt went out after the damaged one
 
 
@@ -355,9 +356,10 @@ def test_admin_state_is_json_of_the_plan(workers: Workers) -> None:
         "rules": ["worker.prefill:delay:times=0,delay_s=0.01"],
         "seed": 0,
         "injected": [],
+        "num_injected": 0,
         "hits": {},
     }
-    assert cleared == {"rules": [], "seed": 0, "injected": [], "hits": {}}
+    assert cleared == {"rules": [], "seed": 0, "injected": [], "num_injected": 0, "hits": {}}
 
 
 def test_a_send_given_up_fails_the_decode_at_once_not_at_lease_end(workers: Workers) -> None:
