@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable
 from typing import Any
 
 
@@ -16,3 +17,18 @@ async def cancel_and_wait(*tasks: asyncio.Task[Any] | None) -> None:
     for task in running:
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+async def run_to_end(aw: Awaitable[None]) -> None:
+    """Await `aw` to its end even when the caller is cancelled meanwhile (a handler whose
+    client hung up is cancelled while it cleans up); the cancel is re-raised once it ended."""
+    task = asyncio.ensure_future(aw)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    task.result()

@@ -64,6 +64,7 @@ from pdserve.protocol.worker_api import (
     Transport,
     body_limit_bytes,
 )
+from pdserve.tasks import run_to_end
 from pdserve.worker.checkpoint.prefix_source import PrefixCacheSource
 from pdserve.worker.checkpoint.routes import CheckpointService
 from pdserve.worker.checkpoint.stream import Replica, on_tokens
@@ -339,9 +340,8 @@ class WorkerAPI:
             done = True
         finally:
             if not done:  # the client went away: nobody will read the rest
-                await inbox.cancel(rid, "client disconnected")
-                await self.engine.abort(rid)
                 self.events.record(rid, "aborted", "client disconnected")
+                await run_to_end(self._drop(rid, inbox))
         await end_stream(response)
         return response
 
@@ -384,13 +384,29 @@ class WorkerAPI:
                 )
                 done = True
             finally:
-                if replica is not None:
-                    await replica.close()
                 if not done:
-                    await self.engine.abort(body.request_id)
                     self.events.record(body.request_id, "aborted", "client disconnected")
+                await run_to_end(self._drop(body.request_id, None, replica, abort=not done))
             await end_stream(response)
             return response
+
+    async def _drop(
+        self,
+        rid: str,
+        inbox: KVInbox | None,
+        replica: Replica | None = None,
+        abort: bool = True,
+    ) -> None:
+        """A stream's cleanup: its replica closed, and when nobody reads on (the client hung
+        up) its reservation cancelled and the engine request aborted. Run to its end even when
+        aiohttp cancels the handler mid-way, or the engine would decode for nobody."""
+        if replica is not None:
+            await replica.close()
+        if not abort:
+            return
+        if inbox is not None:
+            await inbox.cancel(rid, "client disconnected")
+        await self.engine.abort(rid)
 
     async def _open_replica(
         self,
