@@ -148,8 +148,9 @@ class ColocatedFlow:
                     raise
                 finally:
                     if not settled:
-                        await self._client.release_quietly(url, request.request_id)
+                        # Recorded first: a cancel (the client hung up) may land in the release.
                         progress.failed(timeline, "closed before the worker finished")
+                        await self._client.release_quietly(url, request.request_id)
                     if timeline.state is S.FINISHED:
                         self._affinity.record(
                             self._pool.snapshot(),

@@ -180,6 +180,6 @@ class Reserver:
                 return
 
     async def release(self, leg: Leg) -> None:
-        """Free whatever both workers hold for the leg (quietly, even when cancelled)."""
-        await self._client.release_quietly(leg.decode_url, leg.worker_request_id)
-        await self._client.release_quietly(leg.prefill_url, leg.worker_request_id)
+        """Free whatever both workers hold for the leg (both at once, quietly, even when
+        cancelled)."""
+        await self._client.release_quietly(leg.decode_url, leg.worker_request_id, leg.prefill_url)

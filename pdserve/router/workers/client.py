@@ -188,20 +188,24 @@ class WorkerClient:
         """POST /release: free whatever the worker holds for the request."""
         return await self._post(url, "/release", request, ReleaseResult, self._timeouts.control_s)
 
-    async def release_quietly(self, url: str, request_id: str) -> None:
-        """Release on cleanup paths: never raises a RouterError, and completes even if the
-        caller is cancelled meanwhile (a vanished client must not leak a reservation)."""
-        task = asyncio.create_task(self._release_ignoring_errors(url, request_id))
-        self._cleanups.add(task)
-        task.add_done_callback(self._cleanups.discard)
-        await asyncio.shield(task)
+    async def release_quietly(self, url: str, request_id: str, *more_urls: str) -> None:
+        """Release on cleanup paths, on `url` and `more_urls` at once: never raises a
+        RouterError, and every release completes even if the caller is cancelled meanwhile (a
+        vanished client must not leak a reservation, nor a cancel skip the second worker)."""
+        tasks = [self._release_task(u, request_id) for u in (url, *more_urls)]
+        await asyncio.shield(asyncio.gather(*tasks))
 
     def release_in_background(self, url: str, request_id: str) -> None:
         """Release on a failure path without waiting for it: a paused or dead worker must not
         hold up the recovery by a control timeout (its own leases free what it held)."""
+        self._release_task(url, request_id)
+
+    def _release_task(self, url: str, request_id: str) -> asyncio.Task[None]:
+        # Held until done, so a release is never garbage-collected mid-call.
         task = asyncio.create_task(self._release_ignoring_errors(url, request_id))
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
+        return task
 
     async def _release_ignoring_errors(self, url: str, request_id: str) -> None:
         # 404 (already finished or freed) is the common, harmless answer here.

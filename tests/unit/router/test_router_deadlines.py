@@ -159,8 +159,9 @@ class FakeClient:
     async def renew(self, url: str, request: RenewRequest) -> RenewResult:
         return RenewResult(request_id=request.request_id, lease_ttl_s=1.0)
 
-    async def release_quietly(self, url: str, request_id: str) -> None:
-        self.holds.discard((url, request_id))
+    async def release_quietly(self, url: str, request_id: str, *more_urls: str) -> None:
+        for u in (url, *more_urls):
+            self.holds.discard((u, request_id))
 
     def release_in_background(self, url: str, request_id: str) -> None:
         self.holds.discard((url, request_id))

@@ -106,3 +106,44 @@ def test_abandon_cuts_a_silent_stream_and_the_read_fails_over() -> None:
         await server.close()
 
     asyncio.run(asyncio.wait_for(body(), 30))
+
+
+def test_a_cancelled_cleanup_still_releases_on_every_worker_it_names() -> None:
+    """A leg's release goes to its decode and its prefill worker at once: the caller cancelled
+    while the first worker is slow to answer (the client hung up) skips neither."""
+
+    async def body() -> None:
+        arrived: asyncio.Queue[str] = asyncio.Queue()
+        answer = asyncio.Event()
+
+        async def release(request: web.Request) -> web.Response:
+            arrived.put_nowait(request.host)
+            await answer.wait()
+            return web.json_response({"request_id": "r", "num_freed_blocks": 0})
+
+        servers = []
+        for _ in range(2):
+            app = web.Application()
+            app.router.add_post("/release", release)
+            servers.append(TestServer(app))
+            await servers[-1].start_server()
+        decode, prefill = (str(s.make_url("")).rstrip("/") for s in servers)
+        async with aiohttp.ClientSession() as session:
+            client = WorkerClient(session, ClientTimeouts(control_s=5.0))
+            caller = asyncio.ensure_future(client.release_quietly(decode, "r", prefill))
+            first = await asyncio.wait_for(arrived.get(), 5)
+            caller.cancel()
+            second = await asyncio.wait_for(arrived.get(), 5)  # not skipped by the cancel
+            assert {first, second} == {decode.split("//")[1], prefill.split("//")[1]}
+            answer.set()
+            try:
+                await caller
+                raise AssertionError("the cancel was swallowed")
+            except asyncio.CancelledError:
+                pass
+            # Both releases end, neither cut by the cancel.
+            await asyncio.wait_for(asyncio.gather(*client._cleanups), 5)
+        for server in servers:
+            await server.close()
+
+    asyncio.run(body())
