@@ -21,7 +21,9 @@ async def cancel_and_wait(*tasks: asyncio.Task[Any] | None) -> None:
 
 async def run_to_end(aw: Awaitable[None]) -> None:
     """Await `aw` to its end even when the caller is cancelled meanwhile (a handler whose
-    client hung up is cancelled while it cleans up); the cancel is re-raised once it ended."""
+    client hung up is cancelled while it cleans up); the cancel is re-raised once it ended.
+    Unlike a bare `asyncio.shield`, the caller ends only after `aw` did, so whatever counts the
+    caller as running (a drain's admitted calls) sees the cleanup done."""
     task = asyncio.ensure_future(aw)
     cancelled = False
     while not task.done():

@@ -386,24 +386,18 @@ class WorkerAPI:
             finally:
                 if not done:
                     self.events.record(body.request_id, "aborted", "client disconnected")
-                await run_to_end(self._drop(body.request_id, None, replica, abort=not done))
+                    await run_to_end(self._drop(body.request_id, None, replica))
+                elif replica is not None:
+                    await replica.close()
             await end_stream(response)
             return response
 
-    async def _drop(
-        self,
-        rid: str,
-        inbox: KVInbox | None,
-        replica: Replica | None = None,
-        abort: bool = True,
-    ) -> None:
-        """A stream's cleanup: its replica closed, and when nobody reads on (the client hung
-        up) its reservation cancelled and the engine request aborted. Run to its end even when
-        aiohttp cancels the handler mid-way, or the engine would decode for nobody."""
+    async def _drop(self, rid: str, inbox: KVInbox | None, replica: Replica | None = None) -> None:
+        """A stream nobody reads on (the client hung up): its replica closed, its reservation
+        cancelled and the engine request aborted. Run to its end even when aiohttp cancels the
+        handler mid-way, or the engine would decode for nobody."""
         if replica is not None:
             await replica.close()
-        if not abort:
-            return
         if inbox is not None:
             await inbox.cancel(rid, "client disconnected")
         await self.engine.abort(rid)
