@@ -87,15 +87,21 @@ test:
 	wait $$chaos; chaos_status=$$?; cat .chaos-tests.log; \
 	wait $$mypy && test $$status -eq 0 && test $$chaos_status -eq 0
 
-# The GPU check (`pdserve bench gpu-check`: parity, engine speed at batch 1/32/128 and a
-# disaggregated run on one GPU, < 8 min on an H200), run with the machine's own CUDA torch and
-# this checkout on PYTHONPATH. An image without registry access lacks pydantic and
-# prometheus-client: `make gpu-wheels` (here, where pip works) downloads them as CPython 3.12
-# wheels into .whl/, and
-# `make gpu-check` installs whatever is in .whl/ into /tmp/site first.
+# The GPU check (`pdserve bench gpu-check`, steps in `pdlab/bench/gpu_check/run.py`: parity,
+# decode roofline, speed against transformers, KV over CUDA IPC, a split run and its faults, the
+# CUDA tests; about 7 minutes on an H100 or H200), run with the machine's own CUDA torch and this
+# checkout on PYTHONPATH. Each step's JSON lands in $(GPU_CHECK_OUT) as it ends, and the log
+# beside it, so a device call cut short still brings back what was measured; no step starts
+# after --budget-s (480 s): give the device call a timeout of about 540 s. Rerun only what failed
+# with `make gpu-check GPU_CHECK_ARGS="--step NAME"` (the report keeps the other steps).
+# An image without registry access lacks pydantic and prometheus-client: `make gpu-wheels`
+# (here, where pip works) downloads them as CPython 3.12 wheels into .whl/, and `make gpu-check`
+# installs whatever is in .whl/ into /tmp/site first.
 GPU_WHEELS := pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
 	prometheus-client==0.26.0
-GPU_CHECK_JSON ?= gpu_check.json
+# The device tool's $OUT when it is set (its files come back), else a folder here.
+GPU_CHECK_OUT ?= $(if $(OUT),$(OUT),gpu-check)
+GPU_CHECK_ARGS ?=
 
 gpu-wheels:
 	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
@@ -105,10 +111,9 @@ gpu-wheels:
 gpu-check:
 	@if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-index --no-deps \
 		--no-compile --target /tmp/site .whl/*.whl; fi
-	# The CUDA tests first (they skip on a machine without a GPU), then the measured run.
-	PYTHONPATH=/tmp/site:$(CURDIR) python3 -m pytest -q -p no:cacheprovider -rs \
-		tests/unit/engine/test_cuda_engine.py tests/unit/model/test_triton_attention.py; \
-		PYTHONPATH=/tmp/site:$(CURDIR) python3 -m pdlab bench gpu-check --device cuda \
-		--json $(GPU_CHECK_JSON)
+	mkdir -p $(GPU_CHECK_OUT)
+	PYTHONPATH=/tmp/site:$(CURDIR) python3 -m pdlab bench gpu-check --device cuda \
+		--out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS) > $(GPU_CHECK_OUT)/gpu_check.log 2>&1; \
+		status=$$?; cat $(GPU_CHECK_OUT)/gpu_check.log; exit $$status
 
 .PHONY: install system-deps run test client-venvs gpu-wheels gpu-check

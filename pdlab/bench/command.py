@@ -10,6 +10,7 @@ import argparse
 from collections.abc import Sequence
 
 from pdlab.bench.engine_config import MODEL_SHAPES, EngineBenchConfig
+from pdlab.bench.gpu_check import STEPS as GPU_CHECK_STEPS
 from pdserve.cli.command import add_model_flags, run
 from pdserve.config import DEVICES, DTYPES
 from pdserve.config_file import add_config_flag
@@ -32,12 +33,29 @@ def build_parser() -> argparse.ArgumentParser:
     add_fields(be, EngineBenchConfig)
     add_config_flag(be)
     bg = bsub.add_parser(
-        "gpu-check", help="parity, engine speed and a disaggregated run on a GPU (JSON)"
+        "gpu-check",
+        help="parity, decode roofline, speed vs transformers, KV over CUDA IPC, a split run"
+        " and its faults on a GPU (JSON per step)",
     )
     bg.add_argument("--device", choices=DEVICES, default="cuda")
     bg.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="of the speed runs")
     bg.add_argument("--quick", action="store_true", help="small everything (the CPU smoke run)")
-    bg.add_argument("--json", default=None, help="write the report here")
+    bg.add_argument(
+        "--out", default="gpu-check", help="folder for each step's JSON and gpu_check.json"
+    )
+    bg.add_argument(
+        "--step",
+        action="append",
+        default=[],
+        choices=GPU_CHECK_STEPS,
+        help="run only this step (repeatable; default: every one, in order)",
+    )
+    bg.add_argument(
+        "--budget-s",
+        type=float,
+        default=480.0,
+        help="start no step after this many seconds (a device call's limit leaves room)",
+    )
     bm = bsub.add_parser(
         "multiturn", help="multi-turn chats: round-robin vs affinity routing on local clusters"
     )
@@ -85,7 +103,7 @@ def _bench(args: argparse.Namespace) -> int:
 
         return run_multiturn_bench(args)
     if args.bench == "gpu-check":
-        from pdlab.bench.gpu_check import run_gpu_check
+        from pdlab.bench.gpu_check.run import run_gpu_check
 
         return run_gpu_check(args)
     from pdlab.bench.engine import run_engine_bench

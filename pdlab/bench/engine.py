@@ -35,15 +35,13 @@ from pathlib import Path
 
 import torch
 
-from pdlab.bench.engine_config import EngineBenchConfig, config_from_args
-from pdlab.bench.model_shapes import SHAPES, build_shape_checkpoint
+from pdlab.bench.engine_config import DEFAULT_SHAPES, EngineBenchConfig, config_from_args
+from pdlab.bench.model_shapes import build_shape_checkpoint
 from pdlab.bench.step_breakdown import PARTS, measure_decode_breakdown
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.model.tiny import default_model_path
 from pdserve.protocol.sampling import SamplingParams
-
-SHAPE_NAMES = ("tiny", *SHAPES)
 
 
 @dataclass(slots=True)
@@ -61,13 +59,11 @@ class CaseResult:
     transformers_runs_s: list[float]
 
 
-def _prompts(rng: random.Random, vocab: int, lengths: list[int]) -> list[list[int]]:
+def random_prompts(rng: random.Random, vocab: int, lengths: list[int]) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
-def _run_pdserve(
-    engine: Engine, prompts: list[list[int]], max_tokens: list[int], tag: str
-) -> float:
+def run_pdserve(engine: Engine, prompts: list[list[int]], max_tokens: list[int], tag: str) -> float:
     for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True)):
         params = SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
         engine.add_request(f"{tag}-{i}", p, params)
@@ -77,9 +73,7 @@ def _run_pdserve(
     return time.perf_counter() - start
 
 
-def _run_transformers(
-    hf: torch.nn.Module, prompts: list[list[int]], max_tokens: list[int]
-) -> float:
+def run_transformers(hf: torch.nn.Module, prompts: list[list[int]], max_tokens: list[int]) -> float:
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -110,7 +104,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _case(
+def compare_case(
     name: str,
     engine: Engine,
     hf: torch.nn.Module,
@@ -121,16 +115,16 @@ def _case(
 ) -> CaseResult:
     # The same warm-up on both sides (first-call allocations, kernel choices), with prompts
     # of the case's lengths that are never timed; the engine caches no prefix (see the doc).
-    _run_pdserve(engine, warm, [2] * len(warm), f"warm-{name}")
-    _run_transformers(hf, warm, [2] * len(warm))
+    run_pdserve(engine, warm, [2] * len(warm), f"warm-{name}")
+    run_transformers(hf, warm, [2] * len(warm))
     t_pd: list[float] = []
     t_hf: list[float] = []
     for r in range(repeats):
         for side in ("pdserve", "transformers") if r % 2 == 0 else ("transformers", "pdserve"):
             if side == "pdserve":
-                t_pd.append(_run_pdserve(engine, prompts, max_tokens, f"{name}-{r}"))
+                t_pd.append(run_pdserve(engine, prompts, max_tokens, f"{name}-{r}"))
             else:
-                t_hf.append(_run_transformers(hf, prompts, max_tokens))
+                t_hf.append(run_transformers(hf, prompts, max_tokens))
     out = sum(max_tokens)
     pd, hf_s = statistics.median(t_pd), statistics.median(t_hf)
     return CaseResult(name, len(prompts), out, out / pd, out / hf_s, hf_s / pd, t_pd, t_hf)
@@ -160,7 +154,7 @@ def _shape_paths(config: EngineBenchConfig, workdir: Path) -> list[tuple[str, st
     """(name, folder) of every model to measure: `--model`, else the asked shapes."""
     if config.model.path:
         return [("custom", config.model.path)]
-    names = config.model_shapes or (["tiny"] if config.quick else list(SHAPE_NAMES))
+    names = config.model_shapes or (["tiny"] if config.quick else list(DEFAULT_SHAPES))
     paths = []
     for name in names:
         if name == "tiny":
@@ -191,13 +185,13 @@ def _bench_shape(name: str, path: str, config: EngineBenchConfig) -> dict[str, o
     b1_len, b1_new = (32, 16) if quick else (128, 64)
     repeats = 1 if quick else config.repeats
     results = [
-        _case(
+        compare_case(
             "batch1",
             engine,
             hf,
-            _prompts(rng, vocab, [b1_len]),
+            random_prompts(rng, vocab, [b1_len]),
             [b1_new],
-            _prompts(rng, vocab, [b1_len]),
+            random_prompts(rng, vocab, [b1_len]),
             repeats,
         )
     ]
@@ -207,13 +201,13 @@ def _bench_shape(name: str, path: str, config: EngineBenchConfig) -> dict[str, o
         if quick:
             news = [max(4, n // 8) for n in news]
         results.append(
-            _case(
+            compare_case(
                 f"batch{n_batch}-mixed",
                 engine,
                 hf,
-                _prompts(rng, vocab, lengths),
+                random_prompts(rng, vocab, lengths),
                 news,
-                _prompts(rng, vocab, lengths),
+                random_prompts(rng, vocab, lengths),
                 repeats,
             )
         )
@@ -222,7 +216,7 @@ def _bench_shape(name: str, path: str, config: EngineBenchConfig) -> dict[str, o
     breakdown = (
         {
             f"batch{n}": measure_decode_breakdown(
-                engine, _prompts(rng, vocab, [b1_len] * n), num_steps, f"breakdown{n}"
+                engine, random_prompts(rng, vocab, [b1_len] * n), num_steps, f"breakdown{n}"
             )
             for n in (1, batches[0])
         }
@@ -230,8 +224,8 @@ def _bench_shape(name: str, path: str, config: EngineBenchConfig) -> dict[str, o
         else {}
     )
     n_prefix, prompt_len = (5, 128) if quick else (17, 512)
-    shared = _prompts(rng, vocab, [int(prompt_len * 0.9)])[0]
-    tails = _prompts(rng, vocab, [prompt_len - len(shared)] * n_prefix)
+    shared = random_prompts(rng, vocab, [int(prompt_len * 0.9)])[0]
+    tails = random_prompts(rng, vocab, [prompt_len - len(shared)] * n_prefix)
     prefix_prompts = [shared + t for t in tails]
     ttft_off = _prefix_ttft(path, cfg, prefix_prompts, on=False)
     ttft_on = _prefix_ttft(path, cfg, prefix_prompts, on=True)

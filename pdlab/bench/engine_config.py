@@ -15,7 +15,9 @@ from pdserve.settings import build, repeated, setting
 
 # `--model-shape` choices: "tiny" and `model_shapes.SHAPES`, spelled out here so the parser
 # builds without importing torch; a unit test keeps them equal.
-MODEL_SHAPES = ("tiny", "smollm-135m")
+MODEL_SHAPES = ("tiny", "smollm-135m", "llama-3.2-1b")
+# What runs when no --model-shape is given (the 1B shape is for GPUs: `gpu-check`).
+DEFAULT_SHAPES = ("tiny", "smollm-135m")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,8 +46,9 @@ class EngineBenchConfig:
     model_shapes: tuple[str, ...] = repeated(
         "model-shape",
         choices=MODEL_SHAPES,
-        help="measure this shape (repeatable; default: both, or tiny with --quick); a random"
-        " checkpoint of the shape is written by transformers, nothing is downloaded",
+        help="measure this shape (repeatable; default: tiny and smollm-135m, or tiny with"
+        " --quick); a random checkpoint of the shape is written by transformers, nothing is"
+        " downloaded",
     )
 
 

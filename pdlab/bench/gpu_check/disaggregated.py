@@ -1,0 +1,93 @@
+"""GPU check step: one prefill and one decode worker on the one device, through the router.
+
+Two processes as `pdserve up` starts them, on a KV-heavy checkpoint (megabyte blocks): greedy
+text through the router equals the offline engine's, and the prefill worker's metrics give the
+handoff's bytes, seconds and GB/s. Two processes on one GPU time-slice its SMs: this proves
+correctness and the handoff's cost, not a goodput win from the split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from pdlab.bench.kv_heavy_model import KVHeavyShape, build_kv_heavy_checkpoint
+from pdserve.observability import metric_names as m
+from pdserve.observability.exposition import parse, total
+from pdserve.supervise.launcher import Cluster, UpConfig
+
+
+def scrape(url: str) -> list[Any]:
+    """A worker's or router's /metrics, parsed."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+        return parse(resp.read().decode())
+
+
+def complete(url: str, model: str, prompt: list[int], n: int) -> list[int]:
+    """Greedy token ids of `n` new tokens through the router's /v1/completions."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": n,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    request = urllib.request.Request(
+        f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=300) as resp:
+        return [int(t) for t in json.loads(resp.read())["choices"][0]["token_ids"]]
+
+
+def run(workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Greedy text through a one-GPU split cluster against the offline engine's."""
+    from pdserve.llm import LLM
+    from pdserve.protocol.sampling import SamplingParams
+
+    shape = KVHeavyShape(num_layers=2 if args.quick else 16)
+    path = build_kv_heavy_checkpoint(workdir / "kv-heavy", shape)
+    count, length, n = (2, 64, 4) if args.quick else (6, 1024, 16)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 2000) for _ in range(length)] for _ in range(count)]
+    offline = LLM(str(path), device=args.device, kv_cache_bytes=1 << 30)
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in offline.generate(prompts, params)]
+    del offline
+    up = UpConfig(
+        num_prefill=1,
+        num_decode=1,
+        mode="disagg",
+        model=str(path),
+        port=0,
+        router_args=("--local-prefill-threshold", "0", "--no-breaker"),
+        worker_args=("--device", args.device, "--kv-cache-bytes", str(2 << 30)),
+        state_file=workdir / "cluster.json",
+    )
+    cluster = Cluster(up)
+    try:
+        url = cluster.start()
+        names = cluster.supervisor.names()
+        prefill = next(cluster.supervisor.url(x) for x in names if x.startswith("prefill"))
+        got = [complete(url, path.name, p, n) for p in prompts]
+        sent = scrape(str(prefill))
+    finally:
+        cluster.stop()
+    seconds = total(sent, m.WORKER_KV_SEND_SECONDS.name + "_sum")
+    num_bytes = total(sent, m.WORKER_KV_SEND_BYTES.name + "_sum")
+    handoffs = total(sent, m.WORKER_KV_SEND_SECONDS.name + "_count")
+    return {
+        "requests": count,
+        "prompt_tokens": length,
+        "kv_bytes_per_token": shape.kv_bytes_per_token,
+        "tokens_identical": got == want,
+        "handoffs": handoffs,
+        "kv_bytes": num_bytes,
+        "send_seconds": seconds,
+        "handoff_gb_per_s": num_bytes / seconds / 1e9 if seconds else None,
+        "passed": got == want and handoffs == count,
+    }
