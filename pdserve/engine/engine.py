@@ -37,6 +37,7 @@ from pdserve.engine.request import Request, RequestStatus, StartOptions
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.step_stats import StepFacts, StepTotals, count_tokens, is_decode_slice
 from pdserve.errors import ConfigError, PromptTooLong, RequestNotFound, SamplingParamsError
+from pdserve.model.device import device_memory
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.protocol.logprobs import TokenLogprobs
 from pdserve.protocol.sampling import SamplingParams
@@ -462,4 +463,5 @@ class Engine:
             num_remote_cached_tokens_total=sch.num_remote_cached_tokens_total,
             kv_block_bytes=self.kv_cache.block_bytes,
             steps=dataclasses.replace(self.step_totals),
+            device_memory=device_memory(self.kv_cache.device),
         )

@@ -3,6 +3,7 @@ its block and queue counts (`EngineStats`)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pdserve.engine.step_stats import StepFacts, StepTotals
@@ -55,3 +56,6 @@ class EngineStats:
     kv_block_bytes: int = 0
     # Steps run, per kind, with their seconds and the busy time of each phase.
     steps: StepTotals = field(default_factory=StepTotals)
+    # On a GPU, torch's allocator figures for the engine's device ("allocated", "reserved"
+    # bytes); empty on the CPU, where there is no allocator of torch's own to read.
+    device_memory: Mapping[str, int] = field(default_factory=dict)

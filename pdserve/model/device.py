@@ -43,3 +43,14 @@ def resolve_device(
             f"dtype: {dtype!r} is not served on {kind} (one of {', '.join(DEVICE_DTYPES[kind])})"
         )
     return torch.device(kind, 0) if kind == "cuda" else torch.device("cpu")
+
+
+def device_memory(device: torch.device) -> dict[str, int]:
+    """torch's allocator figures on a GPU: bytes held by live tensors ("allocated") and by the
+    caching allocator in all ("reserved", what other processes cannot have); {} on the CPU."""
+    if device.type != "cuda":
+        return {}
+    return {
+        "allocated": torch.cuda.memory_allocated(device),
+        "reserved": torch.cuda.memory_reserved(device),
+    }

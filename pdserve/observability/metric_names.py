@@ -398,6 +398,13 @@ WORKER_STEP_SECONDS = _spec(
     *_W,
     "batch",
 )
+WORKER_DEVICE_MEMORY = _spec(
+    "pdserve_worker_device_memory_bytes",
+    "gauge",
+    "On a GPU, torch's allocator: bytes of live tensors (allocated) and held (reserved)",
+    *_W,
+    "kind",
+)
 WORKER_PHASE_BUSY_SECONDS = _spec(
     "pdserve_worker_phase_busy_seconds_total",
     "counter",

@@ -105,6 +105,7 @@ def render(
     lines += render_family(
         m.WORKER_LEASE_EXPIRIES_BY_REASON, by_label(w, "reason", counters.lease_expiries_by_kind)
     )
+    lines += render_family(m.WORKER_DEVICE_MEMORY, by_label(w, "kind", stats.device_memory))
     if sends is not None:
         lines += render_each_histogram(
             w,
