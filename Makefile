@@ -102,6 +102,12 @@ GPU_WHEELS := pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typi
 # The device tool's $OUT when it is set (its files come back), else a folder here.
 GPU_CHECK_OUT ?= $(if $(OUT),$(OUT),gpu-check)
 GPU_CHECK_ARGS ?=
+# The GPU machine's own python3 holds its CUDA torch; a test runs the target here with the venv's
+# and the CPU (`tests/integration/test_gpu_check.py`), so the recipe itself is checked too.
+GPU_PY ?= python3
+GPU_CHECK_DEVICE ?= cuda
+GPU_WHEELS_DIR ?= .whl
+GPU_SITE ?= /tmp/site
 
 gpu-wheels:
 	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
@@ -109,11 +115,12 @@ gpu-wheels:
 		-d .whl $(GPU_WHEELS)
 
 gpu-check:
-	@if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-index --no-deps \
-		--no-compile --target /tmp/site .whl/*.whl; fi
+	@if ls $(GPU_WHEELS_DIR)/*.whl >/dev/null 2>&1; then $(GPU_PY) -m pip install -q --no-index \
+		--no-deps --no-compile --target $(GPU_SITE) $(GPU_WHEELS_DIR)/*.whl; fi
 	mkdir -p $(GPU_CHECK_OUT)
-	PYTHONPATH=/tmp/site:$(CURDIR) python3 -m pdlab bench gpu-check --device cuda \
-		--out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS) > $(GPU_CHECK_OUT)/gpu_check.log 2>&1; \
+	PYTHONPATH=$(GPU_SITE):$(CURDIR) PYTHONUNBUFFERED=1 $(GPU_PY) -m pdlab bench gpu-check \
+		--device $(GPU_CHECK_DEVICE) --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS) \
+		> $(GPU_CHECK_OUT)/gpu_check.log 2>&1; \
 		status=$$?; cat $(GPU_CHECK_OUT)/gpu_check.log; exit $$status
 
 .PHONY: install system-deps run test client-venvs gpu-wheels gpu-check

@@ -7,6 +7,7 @@ have tests of their own: `test_gpu_check_device_transfer.py`, `tests/chaos/`.)""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -63,3 +64,35 @@ def test_an_explicit_cuda_without_a_gpu_fails_at_once_naming_why(tmp_path: Path)
         return
     assert done.returncode != 0
     assert "device: cuda was asked for, but" in done.stderr
+
+
+def test_make_gpu_check_writes_its_log_and_json_where_the_device_tool_collects_them(
+    tmp_path: Path,
+) -> None:
+    # The recipe a GPU machine runs, here with the venv's python and the CPU: no wheels to
+    # install, the report and the log under $OUT, and the check's exit status kept.
+    repo = Path(__file__).resolve().parents[2]
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAKE")}
+    env["OUT"] = str(out)
+    make = ["make", "-s", "-C", str(repo), "gpu-check", f"GPU_PY={sys.executable}"]
+    make += ["GPU_CHECK_DEVICE=cpu", f"GPU_WHEELS_DIR={tmp_path / 'no-wheels'}"]
+    done = subprocess.run(
+        [*make, "GPU_CHECK_ARGS=--quick --step roofline"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "== roofline: passed" in (out / "gpu_check.log").read_text()
+    assert json.loads((out / "gpu_check.json").read_text())["passed"] is True
+    assert (out / "02-roofline.json").exists()
+    failed = subprocess.run(
+        [*make, "GPU_CHECK_ARGS=--quick --step no-such-step"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert failed.returncode != 0 and "invalid choice" in (out / "gpu_check.log").read_text()
