@@ -2,8 +2,10 @@
 
 Two processes as `pdserve up` starts them, on a KV-heavy checkpoint (megabyte blocks): greedy
 text through the router equals the offline engine's, and the prefill worker's metrics give the
-handoff's bytes, seconds and GB/s. Two processes on one GPU time-slice its SMs: this proves
-correctness and the handoff's cost, not a goodput win from the split.
+handoff's bytes, seconds and GB/s; the router's histograms give mean TTFT and the handoff's
+share of it (transfer, and prefill's first token to decode's first). Two processes on one GPU
+time-slice its SMs: this proves correctness and the handoff's cost, not a goodput win from the
+split.
 """
 
 from __future__ import annotations
@@ -75,8 +77,20 @@ def run(workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
         prefill = next(cluster.supervisor.url(x) for x in names if x.startswith("prefill"))
         got = [complete(url, path.name, p, n) for p in prompts]
         sent = scrape(str(prefill))
+        routed = scrape(url)
     finally:
         cluster.stop()
+    # The split's cost in TTFT, from the router's own histograms: the KV transfer, and the gap
+    # from the prefill's first token to the decode worker's first (which holds the transfer).
+    phases = {
+        "ttft": m.ROUTER_TTFT,
+        "transfer": m.ROUTER_TRANSFER,
+        "handoff_gap": m.ROUTER_HANDOFF_GAP,
+    }
+    mean_s = {
+        k: total(routed, spec.name + "_sum") / max(1.0, total(routed, spec.name + "_count"))
+        for k, spec in phases.items()
+    }
     seconds = total(sent, m.WORKER_KV_SEND_SECONDS.name + "_sum")
     num_bytes = total(sent, m.WORKER_KV_SEND_BYTES.name + "_sum")
     handoffs = total(sent, m.WORKER_KV_SEND_SECONDS.name + "_count")
@@ -89,5 +103,9 @@ def run(workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
         "kv_bytes": num_bytes,
         "send_seconds": seconds,
         "handoff_gb_per_s": num_bytes / seconds / 1e9 if seconds else None,
+        "mean_ttft_s": mean_s["ttft"],
+        "mean_transfer_s": mean_s["transfer"],
+        "mean_handoff_gap_s": mean_s["handoff_gap"],
+        "handoff_share_of_ttft": mean_s["handoff_gap"] / mean_s["ttft"] if mean_s["ttft"] else None,
         "passed": got == want and handoffs == count,
     }
