@@ -6,14 +6,19 @@ every block on the device (`kv_checksum`) and exports the tensor (`kv_ipc`: CUDA
 CPU the memfd stand-in). This process maps it, copies 32 MiB and 1 GiB of blocks device to
 device into its own cache at other block ids, checksums what landed on the device and compares;
 it times the copy against an in-process device copy of the same size, and the checksum kernel.
-Then two checks that must fail the comparison: one flipped byte in a landed block, and a block
-the exporter overwrote after offering it (a sender that reused a block past its lease).
+The copy is timed twice: blocks that are consecutive on both sides (one copy) and the same
+number from scattered source ids (one gather kernel). Then two checks that must fail the
+comparison: one flipped byte in a landed block, and a block the exporter overwrote after
+offering it (a sender that reused a block past its lease). On a GPU it also holds the checksum
+kernel to its numpy reference on odd lengths, a misaligned view and a list of blocks: the CPU
+tests could run the kernel only in Triton's interpreter.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import select
 import statistics
 import subprocess
@@ -25,7 +30,7 @@ from typing import Any
 
 import torch
 
-from pdserve.engine.kv_checksum import block_checksums
+from pdserve.engine.kv_checksum import TILE_WORDS, block_checksums, device_checksum
 from pdserve.engine.kv_ipc import IpcHandle, copy_blocks, export_handle, map_peer
 from pdserve.transfer import arena
 
@@ -125,14 +130,20 @@ def _measure(
     # Landed at other block ids (shifted by one): a block's checksum does not depend on where
     # it lives.
     dst = torch.empty((num_blocks + 1, *block_shape), dtype=src.dtype, device=device)
-    local = torch.empty_like(dst[:num_blocks])
+    # The baseline's source: the same bytes, this process's own memory (written: on the CPU,
+    # untouched pages would read as the zero page and flatter the baseline).
+    local = src.clone()
     rows = []
     for size in sizes:
         n = size // block_bytes
         ids, landed = list(range(n)), list(range(1, n + 1))
+        scattered = random.Random(n).sample(range(num_blocks), n)
 
         def ipc_copy(ids: list[int] = ids, landed: list[int] = landed) -> None:
             copy_blocks(src, ids, dst, landed)
+
+        def ipc_gather(scattered: list[int] = scattered, landed: list[int] = landed) -> None:
+            copy_blocks(src, scattered, dst, landed)
 
         def local_copy(n: int = n) -> None:
             dst[1 : n + 1].copy_(local[:n])
@@ -140,6 +151,8 @@ def _measure(
         def checksum(landed: list[int] = landed) -> list[int]:
             return block_checksums(dst, landed)
 
+        gather_s = _timed(ipc_gather, device, repeats)
+        gathered_match = checksum() == [sent[b] for b in scattered]
         ipc_s = _timed(ipc_copy, device, repeats)
         local_s = _timed(local_copy, device, repeats)
         ipc_copy()
@@ -150,10 +163,11 @@ def _measure(
                 "bytes": n * block_bytes,
                 "blocks": n,
                 "ipc_gb_per_s": n * block_bytes / ipc_s / 1e9,
+                "ipc_scattered_gb_per_s": n * block_bytes / gather_s / 1e9,
                 "local_copy_gb_per_s": n * block_bytes / local_s / 1e9,
                 "ipc_vs_local": local_s / ipc_s,
                 "checksum_gb_per_s": n * block_bytes / check_s / 1e9,
-                "checksums_match": checksum() == sent[:n],
+                "checksums_match": checksum() == sent[:n] and gathered_match,
             }
         )
     # One flipped byte in landed block 3 (dst id 4): that block's checksum changes, no other.
@@ -168,6 +182,23 @@ def _measure(
     copy_blocks(src, [0], dst, [1])
     stale = block_checksums(dst, [1])[0] != sent[0]
     return rows, corruption, stale
+
+
+def _kernel_matches_reference(device: torch.device) -> bool | None:
+    """The checksum kernel against its numpy reference on this device (None on the CPU, where
+    only the interpreter runs it: the unit tests' job)."""
+    if device.type != "cuda":
+        return None
+    gen = torch.Generator(device=device).manual_seed(1)
+    same = []
+    for n in (1, 7, 8, 4099, 3 * TILE_WORDS * 8 + 5, 1 << 20):
+        raw = torch.randint(0, 256, (n,), dtype=torch.uint8, device=device, generator=gen)
+        for t in (raw, raw[3:]):  # the second view starts mid-word
+            same.append(device_checksum(t, "triton") == device_checksum(t, "reference"))
+    cache = torch.randn((40, *QUICK_BLOCK_SHAPE), device=device, generator=gen).bfloat16()
+    ids = [39, 0, 5, 5, 17]
+    same.append(block_checksums(cache, ids, "triton") == block_checksums(cache, ids, "reference"))
+    return all(same)
 
 
 def run(workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -195,6 +226,7 @@ def run(workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
             proc.wait()
     _print(handle.kind, rows)
     match = all(r["checksums_match"] for r in rows)
+    kernel_ok = _kernel_matches_reference(torch.device(args.device))
     return {
         "mechanism": "cuda_ipc" if handle.kind == "cuda" else "memfd (CPU stand-in)",
         "block_bytes": block_bytes,
@@ -202,17 +234,26 @@ def run(workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
         "checksums_match": match,
         "corruption_detected": corruption,
         "stale_block_detected": stale,
+        "kernel_matches_reference": kernel_ok,
         "exporter_exit": proc.returncode,
-        "passed": match and corruption and stale and proc.returncode == 0,
+        "passed": match
+        and corruption
+        and stale
+        and kernel_ok is not False
+        and proc.returncode == 0,
     }
 
 
 def _print(kind: str, rows: list[dict[str, Any]]) -> None:
     print(f"KV between two processes ({kind}), device-side checksums")
-    print(f"{'MiB':>8}{'ipc GB/s':>10}{'local GB/s':>12}{'ratio':>8}{'cksum GB/s':>12}{'match':>7}")
+    print(
+        f"{'MiB':>8}{'ipc GB/s':>10}{'scattered':>11}{'local GB/s':>12}{'ratio':>8}"
+        f"{'cksum GB/s':>12}{'match':>7}"
+    )
     for r in rows:
         print(
-            f"{r['bytes'] >> 20:>8}{r['ipc_gb_per_s']:>10.1f}{r['local_copy_gb_per_s']:>12.1f}"
+            f"{r['bytes'] >> 20:>8}{r['ipc_gb_per_s']:>10.1f}{r['ipc_scattered_gb_per_s']:>11.1f}"
+            f"{r['local_copy_gb_per_s']:>12.1f}"
             f"{r['ipc_vs_local']:>8.2f}{r['checksum_gb_per_s']:>12.1f}"
             f"{'yes' if r['checksums_match'] else 'NO':>7}"
         )

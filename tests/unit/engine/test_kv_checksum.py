@@ -22,6 +22,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdserve.engine import kv_checksum
 from pdserve.engine.kv_checksum import (
     TILE_WORDS,
     block_checksums,
@@ -38,8 +39,8 @@ def _cache(num_blocks: int, block: tuple[int, ...], dtype: torch.dtype, seed: in
 
 def _case_blocks_match_reference() -> None:
     for dtype, block in [
-        (torch.bfloat16, (2, 2, 16, 4, 64)),  # 32 KiB: 4096 words, one tile
-        (torch.float32, (3, 2, 16, 8, 128)),  # 384 KiB: several tiles per stripe
+        (torch.bfloat16, (2, 2, 16, 4, 64)),  # 32 KiB: 4096 words, two tiles
+        (torch.float32, (3, 2, 16, 8, 128)),  # 384 KiB: 24 tiles
         (torch.float16, (1, 2, 3, 1, 4)),  # 48 bytes: a partial tile
     ]:
         cache = _cache(9, block, dtype, seed=1)
@@ -50,9 +51,65 @@ def _case_blocks_match_reference() -> None:
 
 
 def _case_whole_tensor_matches_reference() -> None:
+    # Whole words, one tile and several stripes, and lengths with a tail of 1..7 bytes.
     for n in (1, 2, 3 * TILE_WORDS + 5, 70001 * 2):
         t = _cache(1, (n,), torch.float32, seed=n)[0]
         assert device_checksum(t, "triton") == device_checksum(t, "reference"), n
+    for n in (1, 7, 9, 8 * TILE_WORDS + 3, 2 * 70001 + 1):
+        t = torch.randint(
+            0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n)
+        )
+        assert device_checksum(t, "triton") == reference_checksum(t.numpy()), n
+    for n in (3, 5):
+        t = _cache(1, (n,), torch.float16, seed=n)[0]  # 6 and 10 bytes
+        assert device_checksum(t, "triton") == device_checksum(t, "reference"), n
+
+
+def _case_misaligned_views_match_reference() -> None:
+    # Views that start mid-word: the kernel reads an aligned device copy of them.
+    raw = torch.randint(
+        0, 256, (4099,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5)
+    )
+    for start, stop in [(1, 4099), (3, 11), (5, 4096), (8, 4099)]:
+        view = raw[start:stop]
+        assert device_checksum(view, "triton") == reference_checksum(view.numpy()), (start, stop)
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(
+    data=st.binary(max_size=300),
+    dtype=st.sampled_from([torch.uint8, torch.int16, torch.float32, torch.float64]),
+)
+def _case_random_ranges_match_reference(data: bytes, dtype: torch.dtype) -> None:
+    size = torch.empty(0, dtype=dtype).element_size()
+    data = data[: len(data) // size * size]
+    t = torch.tensor(list(data), dtype=torch.uint8).view(dtype)  # may be empty
+    assert device_checksum(t, "triton") == reference_checksum(data)
+
+
+def _case_many_blocks_and_blocks_of_part_words() -> None:
+    # 300 blocks in one launch (6 stripes each), ids repeated and out of order.
+    cache = _cache(300, (2, 2, 4, 2, 16), torch.bfloat16, seed=6)
+    ids = [*range(299, -1, -1), 7, 7]
+    assert block_checksums(cache, ids, impl="triton") == block_checksums(
+        cache, ids, impl="reference"
+    )
+    # Few programs for many tiles: each stripe loops over several tiles.
+    big = _cache(6, (3, 2, 16, 8, 128), torch.float32, seed=8)
+    saved, kv_checksum.TARGET_PROGRAMS = kv_checksum.TARGET_PROGRAMS, 4
+    try:
+        got = block_checksums(big, [5, 1], impl="triton"), device_checksum(big, "triton")
+    finally:
+        kv_checksum.TARGET_PROGRAMS = saved
+    assert got == (
+        block_checksums(big, [5, 1], impl="reference"),
+        device_checksum(big, "reference"),
+    )
+    odd = _cache(5, (3,), torch.float16, seed=7)  # 6-byte blocks: each hashed with its tail
+    assert block_checksums(odd, [4, 0, 2], impl="triton") == [
+        reference_checksum(odd[b].numpy().tobytes()) for b in (4, 0, 2)
+    ]
+    assert block_checksums(odd, [1], impl="triton") == [device_checksum(odd[1], "triton")]
 
 
 def _case_every_flipped_byte_is_caught() -> None:
@@ -71,6 +128,9 @@ def _case_every_flipped_byte_is_caught() -> None:
 CASES: dict[str, Callable[[], None]] = {
     "blocks_match_reference": _case_blocks_match_reference,
     "whole_tensor_matches_reference": _case_whole_tensor_matches_reference,
+    "misaligned_views_match_reference": _case_misaligned_views_match_reference,
+    "random_ranges_match_reference": _case_random_ranges_match_reference,
+    "many_blocks_and_blocks_of_part_words": _case_many_blocks_and_blocks_of_part_words,
     "every_flipped_byte_is_caught": _case_every_flipped_byte_is_caught,
 }
 
@@ -156,7 +216,7 @@ def test_an_empty_tensor_and_no_blocks() -> None:
     [
         (lambda: block_checksums(_cache(3, (4,), torch.float32, 0), [3]), "outside 0..2"),
         (lambda: block_checksums(_cache(3, (4,), torch.float32, 0), [-1]), "outside"),
-        (lambda: block_checksums(_cache(3, (3,), torch.float16, 0), [0]), "whole 64-bit"),
+        (lambda: device_checksum(torch.zeros(4), impl="fast"), "impl must be"),  # type: ignore[arg-type]
         (
             lambda: block_checksums(_cache(3, (4, 2), torch.float32, 0).transpose(1, 2), [0]),
             "contiguous",
@@ -167,6 +227,14 @@ def test_an_empty_tensor_and_no_blocks() -> None:
 def test_bad_arguments_name_themselves(call: Callable[[], object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_the_kernel_on_cpu_tensors_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        device_checksum(torch.zeros(4), impl="triton")
 
 
 if __name__ == "__main__":  # the child: TRITON_INTERPRET=1 was set before anything imported

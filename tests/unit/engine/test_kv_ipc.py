@@ -113,3 +113,38 @@ def test_blocks_of_another_shape_are_not_copied() -> None:
         copy_blocks(torch.zeros(2, 4), [0], torch.zeros(2, 8), [0])
     with pytest.raises(ValueError, match="2 source blocks, 1 destinations"):
         copy_blocks(torch.zeros(2, 4), [0, 1], torch.zeros(2, 4), [0])
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    pairs=st.lists(
+        st.tuples(st.integers(0, 11), st.integers(0, 11)), max_size=12, unique_by=lambda p: p[1]
+    )
+)
+def test_copies_land_where_asked_whatever_the_runs(pairs: list[tuple[int, int]]) -> None:
+    # Few runs: a slice copy each; many: one gather (into a run of ids, or then a scatter).
+    src = torch.randn(12, 3, 2, generator=torch.Generator().manual_seed(len(pairs)))
+    dst = torch.zeros(12, 3, 2)
+    src_ids, dst_ids = [s for s, _ in pairs], [d for _, d in pairs]
+    copies = copy_blocks(src, src_ids, dst, dst_ids)
+    assert copies == (len(runs(src_ids, dst_ids)) if len(runs(src_ids, dst_ids)) <= 8 else 1)
+    untouched = set(range(12)) - set(dst_ids)
+    assert all(torch.equal(dst[d], src[s]) for s, d in pairs)
+    assert not any(dst[d].any() for d in untouched)
+
+
+def test_scattered_sources_into_one_run_of_destinations_are_one_gather() -> None:
+    src = torch.randn(20, 4)
+    order = [17, 3, 9, 0, 12, 5, 19, 1, 8, 14]
+    dst = torch.zeros(12, 4)
+    assert copy_blocks(src, order, dst, list(range(2, 12))) == 1
+    assert torch.equal(dst[2:], src[order]) and not dst[:2].any()
+
+
+def test_blocks_outside_either_cache_or_on_two_devices_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"source block 4 outside 0\.\.3"):
+        copy_blocks(torch.zeros(4, 2), [1, 4], torch.zeros(8, 2), [0, 1])
+    with pytest.raises(ValueError, match="destination block -1 outside"):
+        copy_blocks(torch.zeros(4, 2), [1], torch.zeros(8, 2), [-1])
+    with pytest.raises(IpcUnavailable, match="source on meta, destination on cpu"):
+        copy_blocks(torch.zeros(4, 2, device="meta"), [0], torch.zeros(4, 2), [0])
