@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from pdlab.bench.gpu_check.disaggregated import offline_tokens
 from pdlab.bench.kv_heavy_model import KVHeavyShape, build_kv_heavy_checkpoint
 from pdlab.chaos.cluster import ChaosCluster, http_json
 from pdlab.chaos.scenarios import LEASE_TTL_S, WorkerSpec
@@ -143,18 +144,12 @@ class _PauseInReceive(threading.Thread):
 
 def run(workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
     """Kill one decode worker and pause another mid-transfer under load; judge what users see."""
-    from pdserve.llm import LLM
-    from pdserve.protocol.sampling import SamplingParams
-
     shape = KVHeavyShape(num_layers=2 if args.quick else 8)
     path = build_kv_heavy_checkpoint(workdir / "kv-heavy-faults", shape)
     count, length, n = (6, 128, 4) if args.quick else (12, 1024, 16)
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 2000) for _ in range(length)] for _ in range(count)]
-    offline = LLM(str(path), device=args.device, kv_cache_bytes=1 << 30)
-    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    want = [o.token_ids for o in offline.generate(prompts, params)]
-    del offline
+    want = offline_tokens(path, args.device, prompts, n)
     device = ("--device", args.device, "--kv-cache-bytes", str(1 << 30))
     workers = (
         WorkerSpec("prefill-0", "prefill", device),

@@ -4,23 +4,19 @@ moved to another id are all told apart or not, as they should be).
 
 The kernel runs on CPU tensors only under Triton's interpreter, which must be on before Triton
 defines the kernel: its cases run in a child process (this file as a script) that reports each
-case's traceback or None, as `test_triton_attention.py` does.
+case's traceback or None (`tests/triton_interpreter.py`).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import subprocess
-import sys
-import traceback
 from collections.abc import Callable
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from triton_interpreter import errors_in_interpreter, report
 
 from pdserve.engine import kv_checksum
 from pdserve.engine.kv_checksum import (
@@ -135,29 +131,9 @@ CASES: dict[str, Callable[[], None]] = {
 }
 
 
-def _run_cases() -> dict[str, str | None]:
-    errors: dict[str, str | None] = {}
-    for name, case in CASES.items():
-        try:
-            case()
-            errors[name] = None
-        except Exception:
-            errors[name] = traceback.format_exc()
-    return errors
-
-
 @pytest.fixture(scope="module")
 def interpreter_errors() -> dict[str, str | None]:
-    if not triton_available():
-        pytest.skip("triton is not installed (`make install` adds it with --no-deps)")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=280
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, proc.stdout + proc.stderr
-    errors: dict[str, str | None] = json.loads(lines[-1].removeprefix("RESULTS "))
-    return errors
+    return errors_in_interpreter(__file__)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -238,5 +214,4 @@ def test_the_kernel_on_cpu_tensors_needs_the_interpreter(monkeypatch: pytest.Mon
 
 
 if __name__ == "__main__":  # the child: TRITON_INTERPRET=1 was set before anything imported
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    print("RESULTS " + json.dumps(_run_cases()))
+    report(CASES)

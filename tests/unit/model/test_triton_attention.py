@@ -10,11 +10,8 @@ fallback and the argument checks run in this process and need no Triton.
 from __future__ import annotations
 
 import functools
-import json
-import os
 import subprocess
 import sys
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,9 +19,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from triton_interpreter import errors_in_interpreter, report
 
 from pdserve.model.attention import build_metadata, paged_attention
-from pdserve.model.triton_attention import paged_decode_attention, triton_available
+from pdserve.model.triton_attention import paged_decode_attention
 
 # The plain-PyTorch reference, the contract the kernel is checked against.
 reference = functools.partial(paged_decode_attention, impl="reference")
@@ -185,29 +183,9 @@ def strided_views_read_in_place() -> None:
     assert_close(out, expected, p)
 
 
-def _run_cases() -> dict[str, str | None]:
-    errors: dict[str, str | None] = {}
-    for name, fn in CASES.items():
-        try:
-            fn()
-            errors[name] = None
-        except Exception:
-            errors[name] = traceback.format_exc()
-    return errors
-
-
 @pytest.fixture(scope="module")
 def interpreter_errors() -> dict[str, str | None]:
-    if not triton_available():
-        pytest.skip("triton is not installed (`make install` adds it with --no-deps)")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=280
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, proc.stdout + proc.stderr
-    errors: dict[str, str | None] = json.loads(lines[-1].removeprefix("RESULTS "))
-    return errors
+    return errors_in_interpreter(__file__)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -282,5 +260,4 @@ def test_bad_arguments_name_themselves(name: str, args: dict[str, object]) -> No
 
 
 if __name__ == "__main__":  # the child: TRITON_INTERPRET=1 was set before anything imported
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    print("RESULTS " + json.dumps(_run_cases()))
+    report(CASES)
