@@ -9,6 +9,7 @@ outcome (the streamed text pieces, or the exception) with the request's index.
 
 from __future__ import annotations
 
+import random
 import socket
 import threading
 import time
@@ -23,16 +24,33 @@ from worker_proc import WorkerHandle, launch_worker
 Body = Callable[[int], dict[str, object]]
 
 
-def free_ports(count: int) -> list[int]:
-    """`count` loopback ports free now."""
-    sockets = [socket.socket() for _ in range(count)]
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out by itself (to port-0 binds and outgoing
+    connections)."""
     try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` loopback ports free now, below the kernel's ephemeral range. A worker restarted
+    at its port then finds it free: with a port-0 pick, any test running beside it could be
+    handed that port between the stop and the restart (seen once in `make test`: EADDRINUSE)."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    ports: list[int] = []
+    while len(ports) < count:
+        port = rng.randrange(10000, max(10001, low))
+        if port in ports:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+    return ports
 
 
 @dataclass
