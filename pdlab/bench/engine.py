@@ -83,7 +83,7 @@ def run_transformers(hf: torch.nn.Module, prompts: list[list[int]], max_tokens: 
     n = max(max_tokens)
     device = next(hf.parameters()).device
     ids, mask = ids.to(device), mask.to(device)
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     with torch.inference_mode():
         hf.generate(  # type: ignore[operator]
@@ -94,11 +94,11 @@ def run_transformers(hf: torch.nn.Module, prompts: list[list[int]], max_tokens: 
             do_sample=False,
             pad_token_id=0,
         )
-    _sync(device)
+    sync(device)
     return time.perf_counter() - start
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     """Wait for queued GPU work, so a timer measures it (nothing to wait for on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)

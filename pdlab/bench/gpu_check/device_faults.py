@@ -28,12 +28,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from pdlab.bench.gpu_check.disaggregated import offline_tokens
+from pdlab.bench.gpu_check.disaggregated import offline_tokens, scrape
 from pdlab.bench.kv_heavy_model import KVHeavyShape, build_kv_heavy_checkpoint
 from pdlab.chaos.cluster import ChaosCluster, http_json
 from pdlab.chaos.scenarios import LEASE_TTL_S, WorkerSpec
 from pdserve.observability import metric_names as m
-from pdserve.observability.exposition import parse, total
+from pdserve.observability.exposition import total
 
 PAUSE_S = LEASE_TTL_S + 2.0
 # Allocated bytes may differ from idle by this much (a cuBLAS workspace, a stream's buffer).
@@ -55,13 +55,8 @@ def _complete(url: str, model: str, prompt: list[int], n: int) -> tuple[int, Any
         return exc.code, exc.read().decode(errors="replace")[:300]
 
 
-def _scrape(cluster: ChaosCluster, name: str) -> list[Any]:
-    with urllib.request.urlopen(f"{cluster.url(name)}/metrics", timeout=10) as resp:
-        return parse(resp.read().decode())
-
-
 def _memory(cluster: ChaosCluster, name: str) -> dict[str, float]:
-    samples, spec = _scrape(cluster, name), m.WORKER_DEVICE_MEMORY.name
+    samples, spec = scrape(cluster.url(name)), m.WORKER_DEVICE_MEMORY.name
     return {k: total(samples, spec, kind=k) for k in ("allocated", "reserved")}
 
 
@@ -76,7 +71,7 @@ def _warm(cluster: ChaosCluster, url: str, n: int, rng: random.Random, length: i
         batch = [[rng.randrange(3, 2000) for _ in range(length)] for _ in range(3)]
         with ThreadPoolExecutor(3) as pool:
             list(pool.map(lambda p: _complete(url, cluster.model_name, p, n), batch))
-        steps = {w: total(_scrape(cluster, w), m.WORKER_STEPS.name) for w in cluster.workers}
+        steps = {w: total(scrape(cluster.url(w)), m.WORKER_STEPS.name) for w in cluster.workers}
         if all(steps.values()):
             return rounds
     raise RuntimeError(f"device faults: a worker never ran a step while warming: {steps}")

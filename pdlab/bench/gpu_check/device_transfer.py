@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from pdlab.bench.engine import sync
 from pdserve.engine.kv_checksum import TILE_WORDS, block_checksums, device_checksum
 from pdserve.engine.kv_ipc import IpcHandle, copy_blocks, export_handle, map_peer
 from pdserve.transfer import arena
@@ -40,20 +41,15 @@ QUICK_BLOCK_SHAPE = (2, 2, 16, 8, 128)
 _LINE_TIMEOUT_S = 120.0
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
     """Median seconds of `fn` over `repeats` runs after one untimed run."""
     fn()
     times = []
     for _ in range(repeats):
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -84,7 +80,7 @@ def exporter(argv: list[str]) -> None:
     cache, _held = _new_cache(a.blocks, block_shape, a.dtype, a.device)
     gen = torch.Generator(device=a.device).manual_seed(0)
     cache.copy_(torch.randn(cache.shape, generator=gen, device=a.device).to(cache.dtype))
-    _sync(cache.device)
+    sync(cache.device)
     sums = block_checksums(cache, list(range(a.blocks)))
     print(json.dumps({"handle": export_handle(cache).to_json(), "checksums": sums}), flush=True)
     for line in sys.stdin:
@@ -92,7 +88,7 @@ def exporter(argv: list[str]) -> None:
         if op["op"] == "exit":
             break
         cache[op["block"]].add_(1)  # the sender reuses a block it had offered
-        _sync(cache.device)
+        sync(cache.device)
         print(json.dumps({"ok": True}), flush=True)
 
 
@@ -156,7 +152,7 @@ def _measure(
         ipc_s = _timed(ipc_copy, device, repeats)
         local_s = _timed(local_copy, device, repeats)
         ipc_copy()
-        _sync(device)
+        sync(device)
         check_s = _timed(checksum, device, repeats)
         rows.append(
             {

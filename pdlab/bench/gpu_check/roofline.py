@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from pdlab.bench.engine import sync
 from pdlab.bench.model_shapes import build_shape_checkpoint
 from pdserve.config import EngineConfig, ModelLoadConfig
 from pdserve.engine.engine import Engine
@@ -66,10 +67,10 @@ def measured_copy_bandwidth(device: torch.device, num_bytes: int, repeats: int =
     dst.copy_(src)
     times = []
     for _ in range(repeats):
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         dst.copy_(src)
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - start)
     return 2 * num_bytes / statistics.median(times)
 
@@ -90,11 +91,6 @@ def kv_bytes_per_token(engine: Engine) -> int:
     return c.num_layers * 2 * c.num_kv_heads * c.head_dim * engine.kv_cache.tensor.element_size()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def decode_steps(
     engine: Engine, batch: int, prompt_len: int, steps: int, rng: random.Random, tag: str
 ) -> dict[str, float]:
@@ -113,11 +109,11 @@ def decode_steps(
         engine.step()
     before = [r.num_prompt_tokens + r.num_output_tokens for r in requests]
     device = engine.kv_cache.device
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    _sync(device)
+    sync(device)
     elapsed = time.perf_counter() - start
     after = [r.num_prompt_tokens + r.num_output_tokens for r in requests]
     for r in requests:
