@@ -52,12 +52,16 @@ class FakeReceiver:
         self.instance = bytes.fromhex("c3" * 8)
         self.expected: dict[bytes, IncomingTransfer] = {}
         self.fenced: list[bytes] = []
+        # What the store held when each fence began: the order the store promises (fence first).
+        self.held_at_fence: list[int] = []
+        self.tier: HostTier | None = None
 
     def expect(self, incoming: IncomingTransfer) -> None:
         self.expected[incoming.plan.transfer_id] = incoming
 
     async def fence(self, transfer_id: bytes) -> None:
         self.expected.pop(transfer_id, None)
+        self.held_at_fence.append(self.tier.num_blocks if self.tier is not None else -1)
         self.fenced.append(transfer_id)
 
     def land(self, data: bytes, value_digest: bytes = b"") -> None:
@@ -90,6 +94,7 @@ def _store(capacity_blocks: int = 8) -> tuple[CheckpointStore, FakeReceiver, Fak
         put_timeout_s=1.0,
         clock=clock,
     )
+    receiver.tier = store.tier
     return store, receiver, sender, clock
 
 
@@ -136,8 +141,11 @@ def test_a_put_is_held_once_verified_then_pulled_adopted_and_released() -> None:
         lookup = CheckpointLookup(token_ids=TOKENS, fingerprint_digest="fp-a")
         assert store.lookup(lookup).num_blocks == 0  # not verified yet: not held
         receiver.land(b"\x07")
-        await until(lambda: receiver.fenced)  # fenced before the blocks count as held
-        assert (store.lookup(lookup).num_blocks, store.lookup(lookup).version) == (2, 8)
+        # Wait on what the store shows (the fence returning and the commit are two loop turns
+        # apart), then check the writer was fenced while nothing was held yet.
+        await until(lambda: store.lookup(lookup).num_blocks == 2)
+        assert receiver.held_at_fence == [0]
+        assert store.lookup(lookup).version == 8
         sent = await store.send(_send_body(2, adopt="r1.m1"), DEST)
         assert (sent.num_blocks, sent.num_bytes) == (2, 16)
         assert sender.sent == [("pull", TOKENS[:8], [b"\x07" * BLOCK_BYTES] * 2)]
