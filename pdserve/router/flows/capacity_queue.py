@@ -7,7 +7,8 @@ poll saw a decode worker's free blocks grow (another router's requests, a lapsed
 the waiter at the head is woken; if its reservation succeeds it leaves and wakes the next (there
 may be more room), if not it keeps its place and sleeps again. So waiters are served in arrival
 order, no waiter spins, and nobody polls the workers on a timer. A waiter whose deadline passes
-leaves with `TimeoutError`.
+leaves with `TimeoutError`; one that leaves holding a wake-up it never used (its deadline or a
+cancel landed just as it was woken) hands it to the new head, so a chance is never lost with it.
 
 Pure asyncio: no I/O, no clock of its own (the caller's deadline, in loop time).
 """
@@ -38,8 +39,16 @@ class Waiter:
             await self._event.wait()
         self._event.clear()
 
+    def pass_on(self) -> None:
+        """Give up the chance this waiter was woken for: the next in line gets it once this
+        one leaves the queue."""
+        self._event.set()
+
     def _wake(self) -> None:
         self._event.set()
+
+    def _unused_wakeup(self) -> bool:
+        return self._event.is_set()
 
 
 class CapacityQueue:
@@ -73,6 +82,8 @@ class CapacityQueue:
             yield waiter
         finally:
             self._waiters.remove(waiter)
+            if waiter._unused_wakeup():
+                self.notify()
 
     def is_head(self, waiter: Waiter) -> bool:
         """Whether `waiter` is first in line."""

@@ -100,7 +100,13 @@ class Reserver:
                     raise NoCapacity(
                         f"{detail}; waited {self._queue_timeout_s} s in the queue", tried=tried
                     ) from None
-                leg, _, tried = await self._round(request, query, rid, skip_prefill)
+                try:
+                    leg, _, tried = await self._round(request, query, rid, skip_prefill)
+                except BaseException:
+                    # Cut short while using its chance (a cancel, a fault): the chance goes on
+                    # with it, to the next in line, instead of waiting for another wake-up.
+                    waiter.pass_on()
+                    raise
                 if leg is not None:
                     break
         self.queue.notify()  # there was room: the next in line may find some too

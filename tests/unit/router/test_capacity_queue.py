@@ -62,3 +62,41 @@ def test_a_full_queue_refuses_at_once_and_a_deadline_ends_a_wait() -> None:
         assert queue.num_waiting == 0
 
     asyncio.run(body())
+
+
+def test_a_wakeup_a_leaving_waiter_never_used_goes_to_the_next_in_line() -> None:
+    """The head's deadline (or a cancel) lands just as it is woken: the wake-up must not leave
+    with it, or the next waiter sleeps until its own deadline though capacity is back."""
+
+    async def body() -> None:
+        queue = CapacityQueue(max_waiting=5)
+        loop = asyncio.get_running_loop()
+        head = queue.join("full")
+        await head.__aenter__()
+        async with queue.join("full") as b:
+            queue.notify()  # for the head, which leaves without having waited on it
+            await head.__aexit__(None, None, None)
+            await b.next_chance(loop.time() + 1)  # handed on: no TimeoutError
+            with pytest.raises(TimeoutError):
+                await b.next_chance(loop.time() + 0.05)  # and only once
+
+    asyncio.run(body())
+
+
+def test_a_waiter_cut_short_while_trying_passes_its_chance_on_when_it_leaves() -> None:
+    async def body() -> None:
+        queue = CapacityQueue(max_waiting=5)
+        loop = asyncio.get_running_loop()
+        head = queue.join("full")
+        a = await head.__aenter__()
+        async with queue.join("full") as b:
+            queue.notify()
+            await a.next_chance(loop.time() + 1)  # woken: now trying
+            a.pass_on()  # its try was cancelled
+            assert queue.is_head(a)  # still in line until it leaves
+            with pytest.raises(TimeoutError):
+                await b.next_chance(loop.time() + 0.05)
+            await head.__aexit__(None, None, None)
+            await b.next_chance(loop.time() + 1)  # b got the chance
+
+    asyncio.run(body())
