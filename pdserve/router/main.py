@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
-import os
 import signal
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from aiohttp import web
 
 from pdserve.auth.keys import refuse_keys_on_argv
 from pdserve.auth.tls import TLSConfig, server_context
+from pdserve.child.lifeline import watch_lifeline
+from pdserve.child.ready_file import write_ready_file
 from pdserve.config_file import add_config_flag
 from pdserve.errors import PdserveError
 from pdserve.router.access import exposed_warnings
@@ -54,13 +53,6 @@ def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
     config = build(RouterConfig, args, tls=tls, **policy_configs(args))
     config.chat_template_text()  # a bad --chat-template fails here, at start
     return config
-
-
-def write_ready_file(path: Path, url: str) -> None:
-    """Write {"url", "pid"} to `path` atomically."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"url": url, "pid": os.getpid()}))
-    os.replace(tmp, path)
 
 
 async def serve(config: RouterConfig) -> None:
@@ -99,6 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PdserveError as exc:
         print(f"pdserve router: {exc}", file=sys.stderr)
         return 2
+    watch_lifeline()  # started by a launcher: stop when it dies
     try:
         asyncio.run(serve(config))
     except PdserveError as exc:

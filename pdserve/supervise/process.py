@@ -3,7 +3,9 @@
 A pdserve child is `python -m ARGS --ready-file F`: it writes F (its real URL: port 0 picks a
 free one) once it listens, and then answers GET /health. Every child runs in its own session,
 so a terminal's Ctrl-C reaches only the launcher, which stops children in order. Stopping is
-always by PID: SIGTERM, a grace period, then SIGKILL; nothing is ever signalled by name.
+always by PID: SIGTERM, a grace period, then SIGKILL; nothing is ever signalled by name. Each
+pdserve child holds a lifeline to its launcher (`pdserve/child/lifeline.py`): a launcher that
+dies without stopping it (SIGKILL, a crash) still stops it.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.request import urlopen
 
+from pdserve.child.lifeline import Lifeline
 from pdserve.errors import PdserveError
 
 
@@ -44,6 +48,7 @@ class Child:
     proc: subprocess.Popen[bytes]
     ready_file: Path
     url: str | None = None
+    lifeline: Lifeline | None = None
 
 
 def worker_threads(num_workers: int) -> int:
@@ -67,23 +72,35 @@ def spawn_child(
     with four workers on two cores). `wrap` prefixes the command line (`ip netns exec NS`,
     which execs: the PID stays the process's own). A restarted child appends to its log and
     gets a fresh ready file. `env` is added to the environment (the cluster secret goes there,
-    never on the command line, where `ps` would show it).
+    never on the command line, where `ps` would show it). The child gets a lifeline: it stops
+    when this process dies.
     """
     ready = workdir / f"{name}.ready.json"
     ready.unlink(missing_ok=True)
-    child_env = {**os.environ, **(env or {})}
+    lifeline = Lifeline()
+    child_env = {**os.environ, **(env or {}), **lifeline.environment()}
     if threads is not None:
         child_env.setdefault("OMP_NUM_THREADS", str(threads))
     log = open(workdir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child's lifetime
-    proc = subprocess.Popen(
-        [*wrap, sys.executable, "-m", *args, "--ready-file", str(ready)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=child_env,
-        # Own session: a terminal Ctrl-C reaches only `up`, which stops children in order.
-        start_new_session=True,
-    )
-    return Child(name, proc, ready)
+    try:
+        proc = subprocess.Popen(
+            [*wrap, sys.executable, "-m", *args, "--ready-file", str(ready)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=child_env,
+            pass_fds=(lifeline.child_fd,),
+            # Own session: a terminal Ctrl-C reaches only `up`, which stops children in order.
+            start_new_session=True,
+        )
+    except BaseException:
+        lifeline.started()
+        lifeline.close()
+        raise
+    lifeline.started()
+    # A child replaced without `stop_children` (a restart after it died) gives its end back
+    # once the launcher forgets it.
+    weakref.finalize(proc, lifeline.close)
+    return Child(name, proc, ready, lifeline=lifeline)
 
 
 def wait_child_ready(child: Child, deadline: float) -> str:
@@ -118,6 +135,8 @@ def stop_children(children: list[Child], grace_s: float = 10.0) -> None:
         except subprocess.TimeoutExpired:
             child.proc.kill()
             child.proc.wait()
+        if child.lifeline is not None:
+            child.lifeline.close()
 
 
 def pid_alive(pid: int) -> bool:

@@ -14,18 +14,17 @@ It knows how the parts fit together; the parts themselves live in their own modu
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import secrets
 import time
-from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 
 from pdserve.auth.signing import CallVerifier, call_target
 from pdserve.auth.tls import client_context, http_connector, server_context
+from pdserve.child.ready_file import write_ready_file
 from pdserve.engine.engine import Engine
 from pdserve.engine.kv_events import KVEventLog
 from pdserve.faults import FaultInjector, parse_rules
@@ -56,13 +55,6 @@ log = logging.getLogger(__name__)
 
 # Seconds in-flight HTTP handlers get to finish when the worker stops.
 SHUTDOWN_TIMEOUT_S = 2.0
-
-
-def write_ready_file(path: Path, url: str) -> None:
-    """Write {"url", "pid"} to `path` atomically (temp file in the same folder, then rename)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"url": url, "pid": os.getpid()}) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
 
 
 class Worker:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pydantic
 import pytest
 
+from pdserve.child.ready_file import write_ready_file
 from pdserve.clock import FakeClock
 from pdserve.errors import ChecksumMismatch, NoFreeBlocks, PromptTooLong, RequestNotFound, WrongRole
 from pdserve.protocol.worker_api import GenerateRequest
@@ -17,7 +18,6 @@ from pdserve.worker.config import WorkerConfig
 from pdserve.worker.http.error_status import error_response
 from pdserve.worker.lease_keeper import LeaseKeeper
 from pdserve.worker.main import build_config, build_parser, main
-from pdserve.worker.server import write_ready_file
 
 
 def test_flags_build_one_typed_config(tmp_path: Path) -> None:
