@@ -300,6 +300,8 @@ class FaultInjector:
                 if rng.random() >= rule.probability:
                     continue
                 self._fired[index] += 1
+                # Read under the lock: another thread's hit may count next.
+                quiet = rule.action is FaultKind.DELAY and self._fired[index] > 1
                 self._injected.append(Injection(site, hit, rule.action))
                 self.num_injected += 1
                 break
@@ -309,7 +311,6 @@ class FaultInjector:
             rule = dataclasses.replace(rule, offset=rng.randrange(num_bytes) if num_bytes else 0)
         # A delay paces rather than breaks (a rule may slow every engine step): its first hit
         # is a warning, the rest would drown the log.
-        quiet = rule.action is FaultKind.DELAY and self._fired[index] > 1
         level = logging.DEBUG if quiet else logging.WARNING
         logger.log(level, "fault injected at %s hit %d: %s", site.value, hit, rule.spec())
         return rule
