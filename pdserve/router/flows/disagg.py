@@ -216,21 +216,30 @@ class DisaggFlow:
             progress.failed(timeline, str(exc))
             raise
         finally:
-            if run.leg is not None:
-                # Closed early or failed: D still holds the reservation (or the sequence), P
-                # may hold KV awaiting transfer.
-                await self._reserver.release(run.leg)
-            if timeline.state is S.FINISHED and run.decode_url is not None:
-                self._affinity.record(
-                    self._pool.snapshot(),
-                    run.decode_url,
-                    run.prefill_url,
-                    request.prompt_token_ids,
-                    run.sent,
-                    request.session_id,
-                )
-            progress.failed(timeline, "closed before the worker finished")
-            self.queue.notify()  # its decode blocks are free again
+            try:
+                if run.leg is not None:
+                    # Closed early or failed: D still holds the reservation (or the sequence),
+                    # P may hold KV awaiting transfer. The release itself is shielded.
+                    await self._reserver.release(run.leg)
+            finally:
+                # Even when a cancel lands in the release (the client hung up twice).
+                self._settle(run)
+
+    def _settle(self, run: _Run) -> None:
+        """What ends every request: its affinity recorded if it finished, its timeline ended,
+        the queue told its decode blocks are free again."""
+        request, timeline = run.request, run.request.timeline
+        if timeline.state is S.FINISHED and run.decode_url is not None:
+            self._affinity.record(
+                self._pool.snapshot(),
+                run.decode_url,
+                run.prefill_url,
+                request.prompt_token_ids,
+                run.sent,
+                request.session_id,
+            )
+        progress.failed(timeline, "closed before the worker finished")
+        self.queue.notify()
 
     # ---- the handoff: reserve, prefill, transfer, decode ----------------------------------
 

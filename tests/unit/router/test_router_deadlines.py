@@ -316,3 +316,46 @@ def test_a_paused_prefill_worker_is_a_local_prefill_not_a_500() -> None:
     states = [t.state for t in outcome.timeline.history]
     assert states[:3] == [RequestState.RECEIVED, RequestState.RETRYING, RequestState.ROUTED]
     assert outcome.timeline.history[1].reason is not None
+
+
+def test_a_cancel_landing_in_the_disagg_cleanup_still_ends_the_request_and_wakes_the_queue() -> (
+    None
+):
+    """The client hangs up mid-stream, and a second cancel lands while the flow releases what
+    the workers hold: the request still ends FAILED and the capacity queue is still told that
+    the decode blocks are free (a waiter would otherwise sleep until its own timeout)."""
+
+    class SlowRelease(FakeClient):
+        async def release_quietly(self, url: str, request_id: str, *more_urls: str) -> None:
+            releasing.set()
+            await asyncio.sleep(1e9)  # the release is still under way when the cancel lands
+
+    releasing = asyncio.Event()
+
+    async def body() -> tuple[RequestTimeline, int]:
+        pool = FakePool(1, "decode")
+        affinity = AffinityPolicy(AffinityConfig(routing="load", local_prefill_threshold=0))
+        flow = DisaggFlow(pool, SlowRelease([]), [2], affinity=affinity)  # type: ignore[arg-type]
+        loop = asyncio.get_running_loop()
+        timeline = RequestTimeline("r1", "disagg")
+        sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        request = FlowRequest("r1", [5], sampling, timeline, None, loop.time() + 20)
+        first = asyncio.Event()
+
+        async def client() -> None:
+            async with contextlib.aclosing(flow.stream(request)) as chunks:
+                async for _ in chunks:
+                    first.set()
+
+        task = asyncio.create_task(client())
+        await first.wait()
+        task.cancel()  # the client hung up
+        await releasing.wait()
+        task.cancel()  # and a cancel lands in the cleanup
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return timeline, flow.queue.num_notified
+
+    timeline, notified = run_virtual(body())
+    assert timeline.state is RequestState.FAILED
+    assert notified == 1
