@@ -185,10 +185,17 @@ class CheckpointStore:
         except TimeoutError:
             pass
         finally:
-            await asyncio.shield(self._receiver.fence(incoming.plan.transfer_id))
-            # The writer's value digest of the put's last position came in its Commit.
-            session = incoming.session
-            self.finish_put(pending, ok, session.value_digest if session is not None else b"")
+            try:
+                await asyncio.shield(self._receiver.fence(incoming.plan.transfer_id))
+            except BaseException:
+                ok = False  # the fence not confirmed (the store closing): nothing is held
+                raise
+            finally:
+                # Even when cancelled: the room goes back, and nothing unfenced is held.
+                # The writer's value digest of the put's last position came in its Commit.
+                session = incoming.session
+                digest = session.value_digest if session is not None else b""
+                self.finish_put(pending, ok, digest)
 
     def begin_put(
         self,
