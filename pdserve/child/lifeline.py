@@ -27,7 +27,8 @@ import time
 from collections.abc import Callable, Mapping
 
 ENV_VAR = "PDSERVE_LIFELINE_FD"
-# Seconds a child whose starter died gets for its graceful stop before it exits anyway.
+# Seconds a child whose starter died gets for its graceful stop before it exits anyway (a
+# worker adds its drain timeout: it drains as on SIGTERM).
 GRACE_S = 30.0
 
 log = logging.getLogger(__name__)

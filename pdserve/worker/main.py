@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from pdserve.auth.tls import TLSConfig
+from pdserve.child.lifeline import GRACE_S as LIFELINE_GRACE_S
 from pdserve.child.lifeline import watch_lifeline
 from pdserve.config import ModelLoadConfig
 from pdserve.config_file import add_config_flag
@@ -120,7 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger(__name__).warning(
             "--insecure-no-auth: any process that reaches this worker's ports may call it"
         )
-    watch_lifeline()  # started by a launcher: stop when it dies
+    # Started by a launcher: stop when it dies, after a drain as on SIGTERM.
+    watch_lifeline(grace_s=config.drain_timeout_s + LIFELINE_GRACE_S)
     try:
         asyncio.run(serve(config))
     except (PdserveError, OSError) as exc:

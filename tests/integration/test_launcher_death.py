@@ -13,6 +13,7 @@ import textwrap
 import time
 from pathlib import Path
 
+from pdserve.child.lifeline import Lifeline
 from pdserve.supervise.process import pid_alive
 
 # The launcher: a worker and a router pointed at it, started as `pdserve up` starts them, their
@@ -70,3 +71,42 @@ def test_children_stop_when_their_launcher_is_sigkilled(
         for pid in pids.values():
             if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+# A child that ignores SIGTERM (a stop that hangs): the lifeline still ends it after its grace.
+STUBBORN = textwrap.dedent(
+    """
+    import signal, sys, time
+    from pdserve.child.lifeline import watch_lifeline
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    watch_lifeline(grace_s=0.5)
+    print("watching", flush=True)
+    time.sleep(60)
+    sys.exit(0)
+    """
+)
+
+
+def test_a_child_whose_graceful_stop_hangs_exits_after_the_grace_period() -> None:
+    lifeline = Lifeline()
+    child = subprocess.Popen(
+        [sys.executable, "-c", STUBBORN],
+        env={**os.environ, **lifeline.environment()},
+        pass_fds=(lifeline.child_fd,),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lifeline.started()
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "watching\n"
+        cut = time.monotonic()
+        lifeline.close()  # the launcher "dies"
+        assert child.wait(30) == 1
+        assert time.monotonic() - cut < 20
+        assert "exiting" in (child.stderr.read() if child.stderr else "")
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
