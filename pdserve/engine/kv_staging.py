@@ -11,6 +11,9 @@ engine, decides the copies at the hand-over points:
 - blocks the owner already had from this engine's prefix cache are never staged in: their
   mirror holds nothing current, and other requests share them.
 Without staging every call here is free and views are the cache's own memory.
+
+What crosses the mirror is counted (`staged_blocks`, by direction): the host mirror is the
+fallback path for KV between workers on GPUs, and a fallback is never silent.
 """
 
 from __future__ import annotations
@@ -25,10 +28,14 @@ class KVStaging:
         self.cache = cache
         # owner (request or import id) -> blocks written through the mirror, not yet staged in.
         self._landing: dict[str, list[int]] = {}
+        # Blocks copied device -> mirror ("out", to be sent) and mirror -> device ("in").
+        self.staged_blocks: dict[str, int] = {"out": 0, "in": 0}
 
     def read_views(self, block_ids: list[int]) -> list[memoryview]:
         """Views of these blocks holding their current KV (staged out first)."""
-        self.cache.stage_out(block_ids)
+        if self.cache.staged:
+            self.cache.stage_out(block_ids)
+            self.staged_blocks["out"] += len(block_ids)
         return self.cache.block_views(block_ids)
 
     def write_views(self, owner: str, block_ids: list[int], skip: int = 0) -> list[memoryview]:
@@ -44,6 +51,7 @@ class KVStaging:
         blocks = self._landing.pop(owner, None)
         if blocks:
             self.cache.stage_in(blocks)
+            self.staged_blocks["in"] += len(blocks)
 
     def forget(self, owner: str) -> None:
         """The owner's blocks were freed unused: nothing to stage in."""

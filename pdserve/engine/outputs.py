@@ -59,3 +59,6 @@ class EngineStats:
     # On a GPU, torch's allocator figures for the engine's device ("allocated", "reserved"
     # bytes); empty on the CPU, where there is no allocator of torch's own to read.
     device_memory: Mapping[str, int] = field(default_factory=dict)
+    # Bytes of KV copied through the host mirror, by direction ("out": device to mirror, to
+    # be sent; "in": received, mirror to device); empty when the cache is not staged.
+    host_staged_bytes: Mapping[str, int] = field(default_factory=dict)

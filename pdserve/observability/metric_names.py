@@ -405,6 +405,14 @@ WORKER_DEVICE_MEMORY = _spec(
     *_W,
     "kind",
 )
+WORKER_KV_HOST_STAGED_BYTES = _spec(
+    "pdserve_worker_kv_host_staged_bytes_total",
+    "counter",
+    "KV bytes copied through the host mirror (the GPU fallback path), device to mirror (out)"
+    " or mirror to device (in)",
+    *_W,
+    "direction",
+)
 WORKER_PHASE_BUSY_SECONDS = _spec(
     "pdserve_worker_phase_busy_seconds_total",
     "counter",

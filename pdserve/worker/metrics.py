@@ -106,6 +106,9 @@ def render(
         m.WORKER_LEASE_EXPIRIES_BY_REASON, by_label(w, "reason", counters.lease_expiries_by_kind)
     )
     lines += render_family(m.WORKER_DEVICE_MEMORY, by_label(w, "kind", stats.device_memory))
+    lines += render_family(
+        m.WORKER_KV_HOST_STAGED_BYTES, by_label(w, "direction", stats.host_staged_bytes)
+    )
     if sends is not None:
         lines += render_each_histogram(
             w,

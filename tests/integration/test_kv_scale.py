@@ -148,6 +148,11 @@ def check_cluster(
         assert total(sent, "pdserve_worker_kv_transport_downgrades_total") == 0
         assert total(received, "pdserve_worker_kv_canary_total", result="exact") == 3
         assert total(received, "pdserve_worker_kv_canary_total", result="mismatch") == 0
+        # Through a host mirror, every byte is counted where it crossed it (never silent).
+        staged = "pdserve_worker_kv_host_staged_bytes_total"
+        mirrored = kv_bytes if "--kv-host-staging" in worker_args else 0
+        assert total(sent, staged, direction="out") == mirrored
+        assert total(received, staged, direction="in") == mirrored
         status, raw = http(f"{decode.url}/health")
         served = [e["transport"] for e in json.loads(raw)["kv_endpoints"]]
         assert served == [transport]

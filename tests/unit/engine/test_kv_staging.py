@@ -82,6 +82,14 @@ def test_handoffs_through_the_mirror_decode_like_colocated(
     prefill, decode = engine(model, sides[0]), engine(model, sides[1])
     assert handoff(prefill, decode, "x", tokens) == list(want.output_token_ids)
     assert decode.staging.num_pending == 0
+    # What crossed a mirror is counted (the GPU fallback path is never silent); an unstaged
+    # side reports nothing.
+    blocks = -(-len(tokens) // prefill.config.block_size)
+    block_bytes = prefill.kv_cache.block_bytes
+    staged_out = {"out": blocks * block_bytes, "in": 0} if sides[0] else {}
+    staged_in = {"out": 0, "in": blocks * block_bytes} if sides[1] else {}
+    assert dict(prefill.stats().host_staged_bytes) == staged_out
+    assert dict(decode.stats().host_staged_bytes) == staged_in
 
 
 def test_cached_prefix_blocks_are_not_staged_in_over(model: LoadedModel) -> None:
@@ -99,7 +107,11 @@ def test_cached_prefix_blocks_are_not_staged_in_over(model: LoadedModel) -> None
     assert len(cached) == 3
     for block in cached:
         decode.kv_cache.host[block].fill_(7.0)
+    before = decode.stats().host_staged_bytes["in"]
     assert handoff(prefill, decode, "b", second) == list(want.output_token_ids)
+    # Only the blocks it received were staged in, not its own three.
+    received = -(-len(second) // decode.config.block_size) - len(cached)
+    assert decode.stats().host_staged_bytes["in"] - before == received * decode.kv_cache.block_bytes
 
 
 def test_an_aborted_remote_request_leaves_nothing_to_stage(model: LoadedModel) -> None:

@@ -24,6 +24,16 @@ def test_each_allocator_figure_is_a_sample_of_its_kind() -> None:
     assert total(samples, name, kind="reserved", worker_id="d-1") == 5 << 30
 
 
+def test_kv_staged_through_the_host_mirror_is_a_counter_by_direction() -> None:
+    stats = EngineStats(64, 50, 3, 4, 1, 2, 1, 0, 0, host_staged_bytes={"out": 6, "in": 4})
+    samples = parse(render("p-1", stats, 0, WorkerCounters()))
+    name = m.WORKER_KV_HOST_STAGED_BYTES.name
+    assert total(samples, name, direction="out", worker_id="p-1") == 6
+    assert total(samples, name, direction="in", worker_id="p-1") == 4
+    # An unstaged cache (the CPU default) exports no samples rather than zeros.
+    assert not [s for s in parse(render("p-1", _stats({}), 0, WorkerCounters())) if s.name == name]
+
+
 def test_a_cpu_worker_reports_no_device_memory() -> None:
     assert device_memory(torch.device("cpu")) == {}
     samples = parse(render("d-1", _stats({}), 0, WorkerCounters()))
