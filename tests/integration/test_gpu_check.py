@@ -52,6 +52,9 @@ def test_the_gpu_check_runs_on_the_cpu_and_reports(tmp_path: Path) -> None:
     disagg = report["steps"]["disaggregated"]
     assert disagg["tokens_identical"] and disagg["handoffs"] == disagg["requests"]
     assert disagg["kv_bytes"] > 0 and disagg["handoff_gb_per_s"] > 0
+    # A CPU cache is not staged: nothing crossed a host mirror, and the report says so.
+    assert disagg["host_staged_bytes"] == {"out": 0, "in": 0}
+    assert disagg["kv_path"] == "cache memory"
     # The handoff happens after the first token: it shows in the gap, not in TTFT.
     assert disagg["mean_ttft_s"] > 0 and disagg["mean_tpot_s"] > 0
     assert 0 < disagg["mean_transfer_s"] < disagg["mean_handoff_gap_s"]

@@ -81,8 +81,10 @@ def run(workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
         url = cluster.start()
         names = cluster.supervisor.names()
         prefill = next(cluster.supervisor.url(x) for x in names if x.startswith("prefill"))
+        decode = next(cluster.supervisor.url(x) for x in names if x.startswith("decode"))
         got = [complete(url, path.name, p, n) for p in prompts]
         sent = scrape(str(prefill))
+        received = scrape(str(decode))
         routed = scrape(url)
     finally:
         cluster.stop()
@@ -103,6 +105,23 @@ def run(workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
     seconds = total(sent, m.WORKER_KV_SEND_SECONDS.name + "_sum")
     num_bytes = total(sent, m.WORKER_KV_SEND_BYTES.name + "_sum")
     handoffs = total(sent, m.WORKER_KV_SEND_SECONDS.name + "_count")
+    # Which path the KV took: through each side's host mirror (a GPU worker today, counted)
+    # or straight from the cache's own memory (the CPU).
+    staged = m.WORKER_KV_HOST_STAGED_BYTES.name
+    host_staged = {
+        "out": total(sent, staged, direction="out"),
+        "in": total(received, staged, direction="in"),
+    }
+    rate = num_bytes / seconds / 1e9 if seconds else None
+    gap = mean_s["handoff_gap"] / mean_s["tpot"] if mean_s["tpot"] else None
+    print(
+        f"split on one {args.device}: tokens identical {'yes' if got == want else 'NO'};"
+        f" {handoffs:.0f} handoffs of {num_bytes / max(1.0, handoffs) / 2**20:.1f} MiB"
+        f" at {rate or 0:.2f} GB/s via the {'host mirror' if any(host_staged.values()) else 'cache'};"
+        f" TTFT {mean_s['ttft'] * 1e3:.1f} ms, TPOT {mean_s['tpot'] * 1e3:.2f} ms,"
+        f" handoff gap {gap or 0:.1f} TPOTs",
+        flush=True,
+    )
     return {
         "requests": count,
         "prompt_tokens": length,
@@ -111,11 +130,13 @@ def run(workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
         "handoffs": handoffs,
         "kv_bytes": num_bytes,
         "send_seconds": seconds,
-        "handoff_gb_per_s": num_bytes / seconds / 1e9 if seconds else None,
+        "handoff_gb_per_s": rate,
+        "host_staged_bytes": host_staged,
+        "kv_path": "host mirror" if any(host_staged.values()) else "cache memory",
         "mean_ttft_s": mean_s["ttft"],
         "mean_tpot_s": mean_s["tpot"],
         "mean_transfer_s": mean_s["transfer"],
         "mean_handoff_gap_s": mean_s["handoff_gap"],
-        "handoff_gap_in_tpots": mean_s["handoff_gap"] / mean_s["tpot"] if mean_s["tpot"] else None,
+        "handoff_gap_in_tpots": gap,
         "passed": got == want and handoffs == count,
     }
