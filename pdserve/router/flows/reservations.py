@@ -85,7 +85,7 @@ class Reserver:
         if leg is not None:
             return leg
         detail = f"no decode worker with a compatible prefill worker accepted {rid}"
-        if self._queue_timeout_s <= 0:
+        if self._queue_timeout_s <= 0 or self._only_skipped_prefill_left(query, skip_prefill):
             raise NoCapacity(detail, tried=tried)
         # Wait in line, whether the workers refused for room or none is up or reachable (a
         # partition, a restart): room that frees and a worker that answers again both wake
@@ -109,8 +109,22 @@ class Reserver:
                     raise
                 if leg is not None:
                     break
+                if self._only_skipped_prefill_left(query, skip_prefill):
+                    # Workers are back, but its only prefill partners are those it failed on:
+                    # waiting cannot help it, and at the head it would hold up every request
+                    # behind it. The chance goes on; the flow recovers without a prefill worker.
+                    waiter.pass_on()
+                    raise NoCapacity(f"{detail}; only prefill workers it failed on are up")
         self.queue.notify()  # there was room: the next in line may find some too
         return leg
+
+    def _only_skipped_prefill_left(self, query: RouteQuery, skip_prefill: Collection[str]) -> bool:
+        """Whether a decode worker is up with a prefill partner, but every such partner is one
+        this request skips (it failed there): no wait in the queue will give it a pair."""
+        return bool(skip_prefill) and (
+            self._pick_pair(query, (), ()) is not None
+            and self._pick_pair(query, (), skip_prefill) is None
+        )
 
     def _pick_pair(
         self, query: RouteQuery, tried: Collection[str], skip_prefill: Collection[str]

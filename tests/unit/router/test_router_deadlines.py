@@ -359,3 +359,70 @@ def test_a_cancel_landing_in_the_disagg_cleanup_still_ends_the_request_and_wakes
     timeline, notified = run_virtual(body())
     assert timeline.state is RequestState.FAILED
     assert notified == 1
+
+
+def test_a_reprefill_whose_only_prefill_worker_failed_it_goes_local_at_once() -> None:
+    """Its handoff failed and the one prefill worker is the one it failed on: no wait in the
+    queue can give it a pair, so it is served on the decode worker now, not after the queue
+    timeout (2 s here)."""
+
+    async def body() -> tuple[Outcome, float]:
+        start = asyncio.get_running_loop().time()
+        outcome = await one_request(
+            "disagg", FakeClient(["ok", "ok", "kv_fail"]), FakePool(1, "decode")
+        )
+        return outcome, outcome.ended_at - start
+
+    outcome, took = run_virtual(body())
+    assert outcome.tokens == SCRIPT and outcome.error is None
+    reasons = [t.reason for t in outcome.timeline.history if t.state is RequestState.RETRYING]
+    assert [r.value for r in reasons if r is not None] == ["reprefill", "local_prefill"]
+    assert took < 1.0
+
+
+def test_a_waiter_that_only_its_failed_prefill_worker_could_serve_does_not_hold_up_the_queue() -> (
+    None
+):
+    """A partition: every worker is down while a reprefill (which skips the prefill worker it
+    failed on) and a fresh request wait in the queue. At the heal, the head cannot use what came
+    back; it leaves at once (NoCapacity: its flow goes local) and hands the wake-up on, so the
+    request behind it is served at the heal, not after the head's queue timeout."""
+    from pdserve.router.flows.capacity_queue import CapacityQueue
+    from pdserve.router.flows.reservations import Reserver
+    from pdserve.router.placement.affinity import RouteQuery
+
+    async def body() -> tuple[BaseException | None, float, float]:
+        loop = asyncio.get_running_loop()
+        pool = FakePool(1, "decode", frozenset({"http://p0", "http://d0", "http://d1"}))
+        queue = CapacityQueue(max_waiting=8)
+        affinity = AffinityPolicy(AffinityConfig(routing="load", local_prefill_threshold=0))
+        reserver = Reserver(pool, FakeClient([]), affinity, queue, lease_ttl_s=3.0,  # type: ignore[arg-type]
+                            queue_timeout_s=10.0)  # fmt: skip
+        sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+        def request(rid: str) -> FlowRequest:
+            timeline = RequestTimeline(rid, "disagg")
+            return FlowRequest(rid, [5, 6], sampling, timeline, None, loop.time() + 30)
+
+        query = RouteQuery([5, 6], MAX_TOKENS)
+        head = asyncio.create_task(reserver.reserve(request("a"), query, "a.r1", {"http://p0"}))
+        await asyncio.sleep(0.1)
+        behind = asyncio.create_task(reserver.reserve(request("b"), query, "b", set()))
+        await asyncio.sleep(0.1)
+        assert queue.num_waiting == 2
+        healed = loop.time()
+        pool.failed.clear()  # the heal: the health polls see every worker again
+        queue.notify()
+        error: BaseException | None = None
+        try:
+            await head
+        except NoCapacity as exc:
+            error = exc
+        head_left = loop.time() - healed
+        leg = await behind
+        assert leg.prefill_url == "http://p0"
+        return error, head_left, loop.time() - healed
+
+    error, head_left, served = run_virtual(body())
+    assert isinstance(error, NoCapacity) and "only prefill workers it failed on" in str(error)
+    assert head_left < 0.5 and served < 0.5
