@@ -464,10 +464,5 @@ class Engine:
             kv_block_bytes=self.kv_cache.block_bytes,
             steps=dataclasses.replace(self.step_totals),
             device_memory=device_memory(self.kv_cache.device),
-            host_staged_bytes={
-                direction: n * self.kv_cache.block_bytes
-                for direction, n in self.staging.staged_blocks.items()
-            }
-            if self.kv_cache.staged
-            else {},
+            host_staged_bytes=self.staging.staged_bytes(),
         )

@@ -53,6 +53,12 @@ class KVStaging:
             self.cache.stage_in(blocks)
             self.staged_blocks["in"] += len(blocks)
 
+    def staged_bytes(self) -> dict[str, int]:
+        """Bytes copied through the mirror so far, by direction; empty for an unstaged cache."""
+        if not self.cache.staged:
+            return {}
+        return {d: n * self.cache.block_bytes for d, n in self.staged_blocks.items()}
+
     def forget(self, owner: str) -> None:
         """The owner's blocks were freed unused: nothing to stage in."""
         self._landing.pop(owner, None)
