@@ -28,8 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from pdlab.bench.gpu_check.disaggregated import offline_tokens, scrape
-from pdlab.bench.kv_heavy_model import KVHeavyShape, build_kv_heavy_checkpoint
+from pdlab.bench.gpu_check.disaggregated import scrape, workload
 from pdlab.chaos.cluster import ChaosCluster, http_json
 from pdlab.chaos.scenarios import LEASE_TTL_S, WorkerSpec
 from pdserve.observability import metric_names as m
@@ -139,12 +138,10 @@ class _PauseInReceive(threading.Thread):
 
 def run(workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
     """Kill one decode worker and pause another mid-transfer under load; judge what users see."""
-    shape = KVHeavyShape(num_layers=2 if args.quick else 8)
-    path = build_kv_heavy_checkpoint(workdir / "kv-heavy-faults", shape)
-    count, length, n = (6, 128, 4) if args.quick else (12, 1024, 16)
-    rng = random.Random(7)
-    prompts = [[rng.randrange(3, 2000) for _ in range(length)] for _ in range(count)]
-    want = offline_tokens(path, args.device, prompts, n)
+    sizes = (6, 128, 4) if args.quick else (12, 1024, 16)
+    load = workload(workdir / "kv-heavy-faults", 2 if args.quick else 8, sizes, 7, args.device)
+    path, prompts, want, n = load.path, load.prompts, load.want, load.n
+    count, length = len(prompts), sizes[1]
     device = ("--device", args.device, "--kv-cache-bytes", str(1 << 30))
     workers = (
         WorkerSpec("prefill-0", "prefill", device),

@@ -15,6 +15,7 @@ import argparse
 import json
 import random
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,14 +59,36 @@ def offline_tokens(path: Path, device: str, prompts: list[list[int]], n: int) ->
     return [o.token_ids for o in offline.generate(prompts, params)]
 
 
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """What a cluster step sends and the answers it must get back."""
+
+    shape: KVHeavyShape
+    path: Path  # the KV-heavy checkpoint
+    prompts: list[list[int]]
+    want: list[list[int]]  # the offline engine's greedy tokens for each prompt
+    n: int  # tokens asked per prompt
+
+
+def workload(
+    folder: Path, num_layers: int, sizes: tuple[int, int, int], seed: int, device: str
+) -> Workload:
+    """A KV-heavy checkpoint of `num_layers` in `folder`; `sizes` = (prompts, tokens each,
+    tokens asked), the prompts drawn from `seed`, and their offline greedy answers."""
+    shape = KVHeavyShape(num_layers=num_layers)
+    path = build_kv_heavy_checkpoint(folder, shape)
+    count, length, n = sizes
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 2000) for _ in range(length)] for _ in range(count)]
+    return Workload(shape, path, prompts, offline_tokens(path, device, prompts, n), n)
+
+
 def run(workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
     """Greedy text through a one-GPU split cluster against the offline engine's."""
-    shape = KVHeavyShape(num_layers=2 if args.quick else 16)
-    path = build_kv_heavy_checkpoint(workdir / "kv-heavy", shape)
-    count, length, n = (2, 64, 4) if args.quick else (6, 1024, 16)
-    rng = random.Random(1)
-    prompts = [[rng.randrange(3, 2000) for _ in range(length)] for _ in range(count)]
-    want = offline_tokens(path, args.device, prompts, n)
+    sizes = (2, 64, 4) if args.quick else (6, 1024, 16)
+    load = workload(workdir / "kv-heavy", 2 if args.quick else 16, sizes, 1, args.device)
+    shape, path, prompts, want, n = load.shape, load.path, load.prompts, load.want, load.n
+    count, length = len(prompts), sizes[1]
     up = UpConfig(
         num_prefill=1,
         num_decode=1,
