@@ -37,6 +37,7 @@ from pdserve.observability.exposition import total
 PAUSE_S = LEASE_TTL_S + 2.0
 # Allocated bytes may differ from idle by this much (a cuBLAS workspace, a stream's buffer).
 MEMORY_SLACK_BYTES = 8 << 20
+_DECODERS = ("decode-0", "decode-1", "decode-2")
 _SURVIVORS = ("prefill-0", "decode-1", "decode-2")
 
 
@@ -65,10 +66,11 @@ def _warm(cluster: ChaosCluster, url: str, n: int, rng: random.Random, length: i
     Lazy device allocations come with a process's first forward and stay (torch keeps a
     cuBLAS workspace per handle and stream, several MiB and more on Hopper, from its
     allocator): read before it, a worker's idle level is too low, past the slack.
-    Fresh prompts each round, so prefix affinity cannot keep sending them to one worker."""
+    Placement is round-robin, so one round of one request per decode worker reaches them all;
+    later rounds are for a request that was refused or retried elsewhere."""
     for rounds in range(1, 6):
-        batch = [[rng.randrange(3, 2000) for _ in range(length)] for _ in range(3)]
-        with ThreadPoolExecutor(3) as pool:
+        batch = [[rng.randrange(3, 2000) for _ in range(length)] for _ in _DECODERS]
+        with ThreadPoolExecutor(len(batch)) as pool:
             list(pool.map(lambda p: _complete(url, cluster.model_name, p, n), batch))
         steps = {w: total(scrape(cluster.url(w)), m.WORKER_STEPS.name) for w in cluster.workers}
         if all(steps.values()):
@@ -145,9 +147,13 @@ def run(workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
     device = ("--device", args.device, "--kv-cache-bytes", str(1 << 30))
     workers = (
         WorkerSpec("prefill-0", "prefill", device),
-        *(WorkerSpec(f"decode-{i}", "both", device) for i in range(3)),
+        *(WorkerSpec(name, "both", device) for name in _DECODERS),
     )
-    cluster = ChaosCluster(workers, ("--no-breaker",), workdir / "faults-cluster", str(path))
+    # Round-robin placement: every decode worker is warmed in the first round and takes its
+    # share of the faulted load, whatever the load signals say (affinity placement could leave
+    # one idle through every warm round: a CI run saw decode-2 get nothing in five).
+    router = ("--no-breaker", "--routing", "round_robin")
+    cluster = ChaosCluster(workers, router, workdir / "faults-cluster", str(path))
     pause = _PauseInReceive(cluster, "decode-1")
     try:
         url = cluster.start()
