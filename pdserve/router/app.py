@@ -51,9 +51,10 @@ from pdserve.router.api.tokenize_routes import TokenizeApi
 from pdserve.router.config import Mode, RouterConfig
 from pdserve.router.flows.capacity_queue import CapacityQueue
 from pdserve.router.flows.colocated import ColocatedFlow
-from pdserve.router.flows.disagg import DisaggFlow, Handoff
+from pdserve.router.flows.disagg import DisaggFlow
 from pdserve.router.flows.dispatcher import Dispatcher
 from pdserve.router.flows.flow import Flow
+from pdserve.router.flows.handoff_outcome import Handoff
 from pdserve.router.health_view import (
     BreakerView,
     FieldDiffView,

@@ -42,9 +42,8 @@ migration path takes over). A finished request tells the policy what D and P now
 from __future__ import annotations
 
 import contextlib
-import enum
 import time
-from collections.abc import AsyncGenerator, Callable, Collection, Sequence
+from collections.abc import AsyncGenerator, Collection, Sequence
 from dataclasses import dataclass, field, replace
 
 from pdserve.errors import NoCapacity, RouterError, WorkerUnreachable
@@ -56,12 +55,12 @@ from pdserve.protocol.worker_api import (
     GenerateRequest,
     PrefillRequest,
     PrefillResult,
-    TokenEvent,
 )
 from pdserve.router.config import AffinityConfig, RecoveryConfig
-from pdserve.router.flows import checkpoint_plan, progress
+from pdserve.router.flows import checkpoint_plan, handoff_outcome, progress
 from pdserve.router.flows.capacity_queue import CapacityQueue
 from pdserve.router.flows.flow import FlowRequest, TokenChunk
+from pdserve.router.flows.handoff_outcome import Handoff, KVOutcome
 from pdserve.router.flows.recovery import (
     STEP_REASON,
     Budget,
@@ -82,19 +81,6 @@ from pdserve.router.workers.client import WorkerClient
 from pdserve.router.workers.pool import WorkerPool
 
 
-class Handoff(enum.Enum):
-    """How one KV handoff ended, as the breaker and the metrics count it."""
-
-    OK = "ok"  # the decode side committed verified KV
-    FAILED = "failed"  # it never did
-    SLOW = "slow"  # it did, far below the transport's expected rate (a failure for the breaker)
-
-
-# (outcome, reason): told for every handoff.
-KVOutcome = Callable[[Handoff, str], None]
-
-
-# Worker error types that no other worker or step can fix.
 @dataclass(slots=True)
 class _Run:
     """One request's progress through its steps (owned by its `stream` call)."""
@@ -339,8 +325,8 @@ class DisaggFlow:
                     async for event in events:
                         if not committed:
                             committed = True
-                            progress.committed(timeline, _handoff_detail(event))
-                            self._report_handoff(event)
+                            progress.committed(timeline, handoff_outcome.detail(event))
+                            self._on_kv_outcome(*handoff_outcome.of_commit(event))
                         if event.token_ids and timeline.state is S.COMMITTED:
                             progress.decoding(timeline)
                         run.sent.extend(event.token_ids)
@@ -369,18 +355,6 @@ class DisaggFlow:
                 )
             fail_step(phase, exc, decode_url=None if committed else leg.decode_url)
             raise
-
-    def _report_handoff(self, event: TokenEvent) -> None:
-        """A commit: a success for the breaker, unless D says the KV came far too slowly."""
-        handoff = event.handoff
-        if handoff is not None and handoff.slow:
-            self._on_kv_outcome(
-                Handoff.SLOW,
-                f"slow KV transfer over {handoff.transport}: {handoff.num_bytes} bytes in"
-                f" {handoff.seconds:.3f} s",
-            )
-        else:
-            self._on_kv_outcome(Handoff.OK, "")
 
     # ---- resumption: local prefill and migration -----------------------------------------
 
@@ -492,13 +466,3 @@ def _only_prefill_missing(views: Sequence[WorkerView], skip_prefill: Collection[
     """True if decode workers are up but none has a usable prefill partner (dead or skipped)."""
     decodes = rank_decode(views)
     return bool(decodes) and all(pick_prefill(views, d, skip_prefill) is None for d in decodes)
-
-
-def _handoff_detail(event: TokenEvent) -> str:
-    h = event.handoff
-    if h is None:
-        return ""
-    return (
-        f"transport={h.transport or 'none'} bytes={h.num_bytes} seconds={h.seconds}"
-        f" canary={h.canary}" + (" SLOW" if h.slow else "")
-    )
