@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from pdlab.bench.gpu_check.disaggregated import scrape, workload
+from pdlab.bench.gpu_check.disaggregated import completion_request, scrape, token_ids, workload
 from pdlab.chaos.cluster import ChaosCluster, http_json
 from pdlab.chaos.scenarios import LEASE_TTL_S, WorkerSpec
 from pdserve.observability import metric_names as m
@@ -43,14 +43,10 @@ _SURVIVORS = ("prefill-0", "decode-1", "decode-2")
 
 def _complete(url: str, model: str, prompt: list[int], n: int) -> tuple[int, Any]:
     """(HTTP status, token ids or the error body) of one greedy completion."""
-    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0.0}
-    body |= {"ignore_eos": True, "return_token_ids": True}
-    request = urllib.request.Request(
-        f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
+    request = completion_request(url, model, prompt, n)
     try:
         with urllib.request.urlopen(request, timeout=120) as resp:
-            return resp.status, [int(t) for t in json.loads(resp.read())["choices"][0]["token_ids"]]
+            return resp.status, token_ids(resp)
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode(errors="replace")[:300]
 

@@ -31,8 +31,8 @@ def scrape(url: str) -> list[Any]:
         return parse(resp.read().decode())
 
 
-def complete(url: str, model: str, prompt: list[int], n: int) -> list[int]:
-    """Greedy token ids of `n` new tokens through the router's /v1/completions."""
+def completion_request(url: str, model: str, prompt: list[int], n: int) -> urllib.request.Request:
+    """The router's /v1/completions call for `n` greedy tokens of `prompt`, with their ids."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -41,11 +41,20 @@ def complete(url: str, model: str, prompt: list[int], n: int) -> list[int]:
         "ignore_eos": True,
         "return_token_ids": True,
     }
-    request = urllib.request.Request(
+    return urllib.request.Request(
         f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
-    with urllib.request.urlopen(request, timeout=300) as resp:
-        return [int(t) for t in json.loads(resp.read())["choices"][0]["token_ids"]]
+
+
+def token_ids(resp: Any) -> list[int]:
+    """The token ids of a completion's one choice."""
+    return [int(t) for t in json.loads(resp.read())["choices"][0]["token_ids"]]
+
+
+def complete(url: str, model: str, prompt: list[int], n: int) -> list[int]:
+    """Greedy token ids of `n` new tokens through the router's /v1/completions."""
+    with urllib.request.urlopen(completion_request(url, model, prompt, n), timeout=300) as resp:
+        return token_ids(resp)
 
 
 def offline_tokens(path: Path, device: str, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -135,12 +144,13 @@ def run(workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
         "out": total(sent, staged, direction="out"),
         "in": total(received, staged, direction="in"),
     }
+    kv_path = "host mirror" if any(host_staged.values()) else "cache memory"
     rate = num_bytes / seconds / 1e9 if seconds else None
     gap = mean_s["handoff_gap"] / mean_s["tpot"] if mean_s["tpot"] else None
     print(
         f"split on one {args.device}: tokens identical {'yes' if got == want else 'NO'};"
         f" {handoffs:.0f} handoffs of {num_bytes / max(1.0, handoffs) / 2**20:.1f} MiB"
-        f" at {rate or 0:.2f} GB/s via the {'host mirror' if any(host_staged.values()) else 'cache'};"
+        f" at {rate or 0:.2f} GB/s via the {kv_path};"
         f" TTFT {mean_s['ttft'] * 1e3:.1f} ms, TPOT {mean_s['tpot'] * 1e3:.2f} ms,"
         f" handoff gap {gap or 0:.1f} TPOTs",
         flush=True,
@@ -155,7 +165,7 @@ def run(workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
         "send_seconds": seconds,
         "handoff_gb_per_s": rate,
         "host_staged_bytes": host_staged,
-        "kv_path": "host mirror" if any(host_staged.values()) else "cache memory",
+        "kv_path": kv_path,
         "mean_ttft_s": mean_s["ttft"],
         "mean_tpot_s": mean_s["tpot"],
         "mean_transfer_s": mean_s["transfer"],
